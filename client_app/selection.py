@@ -1,0 +1,466 @@
+"""Architecture choice: the largest model a device can train within budget.
+
+:func:`choose_architecture` is a pure function of a :class:`DeviceProfile`,
+the costs of the candidate models (:class:`CandidateCost`), the local
+workload and a budget. :func:`candidate_costs` gathers the real costs of a
+model family from the ``models`` registry.
+
+Cost model (deliberately simple; order of magnitude is what matters):
+
+* memory (:func:`estimate_training_memory`): fp32 weights, gradients,
+  optimiser momentum and one spare copy, saved activations of one batch with
+  their gradients and workspace, plus a fixed runtime overhead;
+* time (:func:`estimate_round_seconds`): a training step costs three forward
+  passes (forward, gradient w.r.t. activations, gradient w.r.t. weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from client_app.device import DeviceProfile
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BYTES_PER_FLOAT",
+    "RUNTIME_OVERHEAD_BYTES",
+    "TRAINING_MACS_FACTOR",
+    "ArchChoice",
+    "Budget",
+    "CandidateCost",
+    "SelectionError",
+    "Workload",
+    "available_training_memory",
+    "candidate_costs",
+    "choose_architecture",
+    "estimate_round_seconds",
+    "estimate_training_memory",
+]
+
+BYTES_PER_FLOAT: Final = 4
+"""fp32 training."""
+
+PARAM_COPIES: Final = 4
+"""Weights, gradients, SGD momentum, one copy (global model kept for the update/proximal term)."""
+
+ACTIVATION_COPIES: Final = 3
+"""Activations saved by the forward pass, their gradients, and kernel workspace."""
+
+RUNTIME_OVERHEAD_BYTES: Final = 150 * 1024 * 1024
+"""Fixed overhead of the training runtime: PyTorch's CPU allocator arenas, the
+loaded libraries' data, the data loader batch and Python objects. Measured
+resident-set growth of ``import torch`` plus a first tiny training step is
+~100-200 MiB on x86 and aarch64; 150 MiB is the middle."""
+
+TRAINING_MACS_FACTOR: Final = 3
+"""A training step counted as three forward passes (forward, input-gradient and weight-gradient)."""
+
+
+class SelectionError(ValueError):
+    """Invalid input to architecture selection."""
+
+
+@dataclass(frozen=True)
+class CandidateCost:
+    """Per-sample costs of one candidate architecture.
+
+    Parameters
+    ----------
+    name : str
+        Registry name of the model.
+    size_rank : int
+        Rank within its family; larger means a bigger model.
+    params : int
+        Number of trainable parameters.
+    macs_per_sample : int
+        Forward multiply-accumulates for one input sample.
+    activations_per_sample : int
+        Activation elements the forward pass produces for one sample.
+
+    Raises
+    ------
+    SelectionError
+        If a count is out of range.
+    """
+
+    name: str
+    size_rank: int
+    params: int
+    macs_per_sample: int
+    activations_per_sample: int
+
+    def __post_init__(self) -> None:
+        """Validate counts once, at construction."""
+        if not self.name:
+            raise SelectionError("CandidateCost name is empty; use the model's registry name")
+        if self.params <= 0 or self.macs_per_sample <= 0 or self.activations_per_sample < 0:
+            raise SelectionError(
+                f"CandidateCost {self.name!r} has params={self.params}, "
+                f"macs_per_sample={self.macs_per_sample}, "
+                f"activations_per_sample={self.activations_per_sample}; "
+                "params and MACs must be positive and activations non-negative"
+            )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Local training work of one round.
+
+    Parameters
+    ----------
+    samples_per_round : int
+        Samples processed per round (local epochs x local dataset size).
+    batch_size : int
+        Training batch size.
+    input_shape : tuple of int
+        Shape of one sample, e.g. ``(3, 32, 32)``.
+    num_classes : int
+        Number of output classes.
+
+    Raises
+    ------
+    SelectionError
+        If a value is out of range.
+    """
+
+    samples_per_round: int
+    batch_size: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        """Validate values once, at construction."""
+        if self.samples_per_round <= 0:
+            raise SelectionError(
+                f"Workload samples_per_round={self.samples_per_round} is invalid; use a positive count"
+            )
+        if self.batch_size <= 0:
+            raise SelectionError(
+                f"Workload batch_size={self.batch_size} is invalid; use a positive batch size"
+            )
+        if not self.input_shape or any(d <= 0 for d in self.input_shape):
+            raise SelectionError(
+                f"Workload input_shape={self.input_shape!r} is invalid; "
+                "use positive dimensions such as (3, 32, 32)"
+            )
+        if self.num_classes < 2:
+            raise SelectionError(
+                f"Workload num_classes={self.num_classes} is invalid; use at least 2"
+            )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Resources a client grants local training.
+
+    Parameters
+    ----------
+    max_round_seconds : float
+        Longest acceptable local training time per round.
+    memory_fraction : float
+        Share of the available memory (accelerator memory, or host memory on
+        CPU-only devices and Jetsons) training may use, in ``(0, 1]``.
+
+    Raises
+    ------
+    SelectionError
+        If a value is out of range.
+    """
+
+    max_round_seconds: float
+    memory_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Validate values once, at construction."""
+        if not self.max_round_seconds > 0:
+            raise SelectionError(
+                f"Budget max_round_seconds={self.max_round_seconds} is invalid; "
+                "use a positive number of seconds"
+            )
+        if not 0 < self.memory_fraction <= 1:
+            raise SelectionError(
+                f"Budget memory_fraction={self.memory_fraction} is invalid; use a value in (0, 1]"
+            )
+
+
+@dataclass(frozen=True)
+class ArchChoice:
+    """Outcome of :func:`choose_architecture`.
+
+    Parameters
+    ----------
+    name : str
+        Chosen candidate.
+    estimated_memory_bytes : int
+        Its estimated training memory.
+    estimated_round_seconds : float
+        Its estimated training time per round.
+    fits : bool
+        Whether it meets the memory and time budget; ``False`` when no
+        candidate does and the smallest is used anyway.
+    reason : str
+        Human-readable explanation, naming the failed constraint (``memory``
+        or ``time``) and by how much when ``fits`` is ``False``.
+    candidates_considered : int
+        Number of candidates examined.
+    """
+
+    name: str
+    estimated_memory_bytes: int
+    estimated_round_seconds: float
+    fits: bool
+    reason: str
+    candidates_considered: int
+
+
+def estimate_training_memory(c: CandidateCost, w: Workload) -> int:
+    """Estimate the peak memory of training candidate ``c``.
+
+    ``memory = params * 4 B * 4 + activations_per_sample * batch_size * 4 B * 3 + 150 MiB``
+
+    * ``params * 4 B * 4``: fp32 weights, gradients, momentum, one spare copy;
+    * ``activations * batch * 4 B * 3``: fp32 activations saved by the
+      forward pass, their gradients, and kernel workspace;
+    * 150 MiB: :data:`RUNTIME_OVERHEAD_BYTES`.
+
+    Parameters
+    ----------
+    c : CandidateCost
+        The candidate.
+    w : Workload
+        The workload (only ``batch_size`` is used).
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    param_bytes = c.params * BYTES_PER_FLOAT * PARAM_COPIES
+    activation_bytes = c.activations_per_sample * w.batch_size * BYTES_PER_FLOAT * ACTIVATION_COPIES
+    return param_bytes + activation_bytes + RUNTIME_OVERHEAD_BYTES
+
+
+def estimate_round_seconds(c: CandidateCost, w: Workload, profile: DeviceProfile) -> float:
+    """Estimate the local training time of one round.
+
+    ``seconds = 3 * macs_per_sample * samples_per_round / train_macs_per_second``
+
+    Parameters
+    ----------
+    c : CandidateCost
+        The candidate.
+    w : Workload
+        The workload (only ``samples_per_round`` is used).
+    profile : DeviceProfile
+        The device (only ``train_macs_per_second`` is used).
+
+    Returns
+    -------
+    float
+        Seconds.
+    """
+    return TRAINING_MACS_FACTOR * c.macs_per_sample * w.samples_per_round / profile.train_macs_per_second
+
+
+def available_training_memory(profile: DeviceProfile) -> tuple[int, str]:
+    """Return the memory training competes for and a description of it.
+
+    Accelerator memory on CUDA/MPS devices; host memory on CPU-only devices
+    and on Jetsons, whose GPU shares (unified) host memory.
+
+    Parameters
+    ----------
+    profile : DeviceProfile
+        The device.
+
+    Returns
+    -------
+    tuple of (int, str)
+        Bytes and a label such as ``"accelerator memory"``.
+    """
+    if profile.accelerator == "cpu":
+        return profile.memory_bytes, "host memory"
+    if profile.is_jetson:
+        return profile.memory_bytes, "unified host memory (Jetson)"
+    if profile.accelerator_memory_bytes is None:
+        log.debug("profile %r has no accelerator memory; using host memory", profile.name)
+        return profile.memory_bytes, "host memory (accelerator memory unknown)"
+    return profile.accelerator_memory_bytes, "accelerator memory"
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+def _violations(memory: int, limit: int, seconds: float, budget: Budget) -> list[str]:
+    """Describe each constraint a candidate breaks, with the excess."""
+    failed = []
+    if memory > limit:
+        failed.append(
+            f"memory {_mib(memory)} exceeds the {_mib(limit)} budget by {_mib(memory - limit)} "
+            f"({memory / limit:.2f}x)"
+        )
+    if seconds > budget.max_round_seconds:
+        failed.append(
+            f"time {seconds:.1f} s exceeds the {budget.max_round_seconds:.1f} s budget by "
+            f"{seconds - budget.max_round_seconds:.1f} s "
+            f"({seconds / budget.max_round_seconds:.2f}x)"
+        )
+    return failed
+
+
+def choose_architecture(
+    profile: DeviceProfile,
+    candidates: Sequence[CandidateCost],
+    workload: Workload,
+    budget: Budget,
+) -> ArchChoice:
+    """Choose the largest candidate a device can train within budget.
+
+    A candidate fits when :func:`estimate_training_memory` is at most
+    ``budget.memory_fraction`` of :func:`available_training_memory` and
+    :func:`estimate_round_seconds` is at most ``budget.max_round_seconds``.
+    The fitting candidate with the highest ``size_rank`` wins. If none fits,
+    the smallest is returned with ``fits=False`` and a warning is logged: a
+    device still participates.
+
+    Parameters
+    ----------
+    profile : DeviceProfile
+        The device.
+    candidates : Sequence of CandidateCost
+        Candidates of one family, in any order, with distinct names and
+        size ranks.
+    workload : Workload
+        Local work per round.
+    budget : Budget
+        Time and memory budget.
+
+    Returns
+    -------
+    ArchChoice
+        The choice and its estimates.
+
+    Raises
+    ------
+    SelectionError
+        If ``candidates`` is empty or has duplicate names or size ranks.
+    """
+    if not candidates:
+        raise SelectionError(
+            "no candidate architectures given; pass at least one CandidateCost "
+            "(see candidate_costs())"
+        )
+    names = [c.name for c in candidates]
+    ranks = [c.size_rank for c in candidates]
+    if len(set(names)) != len(names) or len(set(ranks)) != len(ranks):
+        raise SelectionError(
+            f"candidates {list(zip(names, ranks, strict=True))} repeat a name or size_rank; "
+            "give each candidate a unique name and size_rank"
+        )
+
+    available, memory_label = available_training_memory(profile)
+    limit = int(budget.memory_fraction * available)
+    ordered = sorted(candidates, key=lambda c: c.size_rank, reverse=True)
+    rejected: list[str] = []
+    for candidate in ordered:
+        memory = estimate_training_memory(candidate, workload)
+        seconds = estimate_round_seconds(candidate, workload, profile)
+        failed = _violations(memory, limit, seconds, budget)
+        if failed:
+            rejected.append(f"{candidate.name} ({'; '.join(failed)})")
+            continue
+        reason = (
+            f"{candidate.name} is the largest of {len(candidates)} candidates within budget: "
+            f"memory {_mib(memory)} <= {_mib(limit)} ({budget.memory_fraction:.0%} of "
+            f"{_mib(available)} {memory_label}), time {seconds:.1f} s <= "
+            f"{budget.max_round_seconds:.1f} s"
+        )
+        if rejected:
+            reason += "; larger candidates rejected: " + ", ".join(rejected)
+        log.info("profile %r: %s", profile.name, reason)
+        return ArchChoice(
+            name=candidate.name,
+            estimated_memory_bytes=memory,
+            estimated_round_seconds=seconds,
+            fits=True,
+            reason=reason,
+            candidates_considered=len(candidates),
+        )
+
+    smallest = ordered[-1]
+    memory = estimate_training_memory(smallest, workload)
+    seconds = estimate_round_seconds(smallest, workload, profile)
+    reason = (
+        f"no candidate fits {_mib(available)} {memory_label} x {budget.memory_fraction:.0%} and "
+        f"{budget.max_round_seconds:.1f} s per round; using the smallest, {smallest.name}: "
+        + "; ".join(_violations(memory, limit, seconds, budget))
+    )
+    log.warning("profile %r: %s", profile.name, reason)
+    return ArchChoice(
+        name=smallest.name,
+        estimated_memory_bytes=memory,
+        estimated_round_seconds=seconds,
+        fits=False,
+        reason=reason,
+        candidates_considered=len(candidates),
+    )
+
+
+def candidate_costs(
+    family: str, input_shape: Sequence[int], num_classes: int
+) -> list[CandidateCost]:
+    """Build every model of a family and measure its costs.
+
+    Parameters
+    ----------
+    family : str
+        Model family as recorded in the ``models`` registry
+        (``model_entry(name).family``).
+    input_shape : Sequence of int
+        Shape of one sample, e.g. ``(3, 32, 32)``.
+    num_classes : int
+        Number of output classes.
+
+    Returns
+    -------
+    list of CandidateCost
+        One entry per model of the family, sorted by ``size_rank``.
+
+    Raises
+    ------
+    SelectionError
+        If the family has no models.
+    """
+    # Imported lazily: building models needs torch, the pure selection does not.
+    from models import (
+        count_activations,
+        count_macs,
+        count_parameters,
+        get_model,
+        list_models,
+        model_entry,
+    )
+
+    shape = tuple(int(d) for d in input_shape)
+    names = [n for n in list_models() if model_entry(n).family == family]
+    if not names:
+        families = sorted({model_entry(n).family for n in list_models()})
+        raise SelectionError(f"model family {family!r} has no models; use one of {families}")
+    costs = []
+    for name in names:
+        model = get_model(name, input_shape=shape, num_classes=num_classes)
+        costs.append(
+            CandidateCost(
+                name=name,
+                size_rank=model_entry(name).size_rank,
+                params=count_parameters(model),
+                macs_per_sample=count_macs(model, shape),
+                activations_per_sample=count_activations(model, shape),
+            )
+        )
+    return sorted(costs, key=lambda c: c.size_rank)

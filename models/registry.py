@@ -1,0 +1,359 @@
+"""Registry of the model zoo, in the style of torchvision's ``models/_api.py``.
+
+Each family module decorates its builders with :func:`register_model`; importing
+:mod:`models` imports every family module, so the registry is complete once
+``models`` is imported. Models are then built by name with :func:`get_model`.
+
+A builder is a function taking keyword-only ``input_shape``, ``num_classes`` and
+``norm_layer`` and returning a :class:`~models.base.TesseraModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from models.base import TesseraModel, validate_input_shape, validate_num_classes
+from models.norm import NormFactory, get_norm
+
+__all__ = [
+    "ModelBuilder",
+    "ModelEntry",
+    "ModelRegistry",
+    "get_model",
+    "list_families",
+    "list_models",
+    "model_entry",
+    "register_model",
+]
+
+
+class ModelBuilder(Protocol):
+    """Signature of a registered model builder."""
+
+    def __call__(
+        self,
+        *,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        norm_layer: NormFactory,
+    ) -> TesseraModel:
+        """Build a model for inputs of ``input_shape`` and ``num_classes`` classes."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered model.
+
+    Attributes
+    ----------
+    name : str
+        Unique model name, e.g. ``"resnet18"``; it encodes the scale.
+    family : str
+        Architecture family, e.g. ``"resnet"``.
+    size_rank : int
+        Rank of the model by size within its family, 0 for the smallest.
+    builder : ModelBuilder
+        Function building the model.
+    description : str
+        One-line human-readable description.
+    """
+
+    name: str
+    family: str
+    size_rank: int
+    builder: ModelBuilder
+    description: str = ""
+
+
+class ModelRegistry:
+    """A set of named model builders that refuses duplicates.
+
+    The package keeps one default instance, used by the module-level functions
+    (:func:`register_model`, :func:`get_model`, ...); separate instances are useful in
+    tests.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, ModelEntry] = {}
+
+    def register(
+        self, name: str, *, family: str, size_rank: int, description: str = ""
+    ) -> Callable[[ModelBuilder], ModelBuilder]:
+        """Return a decorator registering a builder under ``name``.
+
+        Parameters
+        ----------
+        name : str
+            Unique model name.
+        family : str
+            Architecture family.
+        size_rank : int
+            Rank by size within the family, 0 for the smallest; unique per family.
+        description : str, optional
+            One-line description.
+
+        Returns
+        -------
+        Callable[[ModelBuilder], ModelBuilder]
+            A decorator that registers the builder and returns it unchanged.
+
+        Raises
+        ------
+        ValueError
+            If ``name`` is taken, ``(family, size_rank)`` is taken, ``name`` or
+            ``family`` is empty, or ``size_rank`` is negative.
+        """
+        if not name or not family:
+            raise ValueError(
+                f"Model name and family must be non-empty, got name={name!r}, "
+                f"family={family!r}."
+            )
+        if size_rank < 0:
+            raise ValueError(
+                f"size_rank must be >= 0 (0 = smallest in its family), got "
+                f"{size_rank} for model {name!r}."
+            )
+
+        def decorator(builder: ModelBuilder) -> ModelBuilder:
+            if name in self._entries:
+                raise ValueError(
+                    f"A model named {name!r} is already registered; pick another name."
+                )
+            for entry in self._entries.values():
+                if entry.family == family and entry.size_rank == size_rank:
+                    raise ValueError(
+                        f"Family {family!r} already has size_rank {size_rank} "
+                        f"(model {entry.name!r}); give {name!r} another size_rank."
+                    )
+            self._entries[name] = ModelEntry(
+                name=name,
+                family=family,
+                size_rank=size_rank,
+                builder=builder,
+                description=description,
+            )
+            return builder
+
+        return decorator
+
+    def entry(self, name: str) -> ModelEntry:
+        """Return the entry registered under ``name``.
+
+        Parameters
+        ----------
+        name : str
+            Model name.
+
+        Returns
+        -------
+        ModelEntry
+            The registered entry.
+
+        Raises
+        ------
+        ValueError
+            If no model is registered under ``name``.
+        """
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"Unknown model '{name}'. Available: {', '.join(self.names())}."
+            ) from None
+
+    def families(self) -> list[str]:
+        """Return the registered families, sorted alphabetically.
+
+        Returns
+        -------
+        list[str]
+            Family names.
+        """
+        return sorted({entry.family for entry in self._entries.values()})
+
+    def names(self, family: str | None = None) -> list[str]:
+        """Return model names ordered by family, then by ascending size rank.
+
+        Parameters
+        ----------
+        family : str or None, optional
+            Restrict to this family; all families when None.
+
+        Returns
+        -------
+        list[str]
+            Model names.
+
+        Raises
+        ------
+        ValueError
+            If ``family`` is given and no model belongs to it.
+        """
+        if family is not None and family not in self.families():
+            raise ValueError(
+                f"Unknown model family {family!r}. Available families: "
+                f"{', '.join(self.families())}."
+            )
+        entries = sorted(self._entries.values(), key=lambda e: (e.family, e.size_rank))
+        return [e.name for e in entries if family is None or e.family == family]
+
+    def build(
+        self,
+        name: str,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm: str = "batch",
+    ) -> TesseraModel:
+        """Build the model registered under ``name``.
+
+        Parameters
+        ----------
+        name : str
+            Model name.
+        input_shape : Sequence[int]
+            Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
+        num_classes : int
+            Number of classes, at least 2.
+        norm : str, optional
+            Normalisation name, see :func:`models.norm.get_norm`; ``"batch"`` by
+            default.
+
+        Returns
+        -------
+        TesseraModel
+            A freshly initialised model.
+
+        Raises
+        ------
+        ValueError
+            If the name, input shape, number of classes or norm is invalid.
+        """
+        entry = self.entry(name)
+        shape = validate_input_shape(input_shape)
+        classes = validate_num_classes(num_classes)
+        norm_layer = get_norm(norm)
+        return entry.builder(input_shape=shape, num_classes=classes, norm_layer=norm_layer)
+
+
+_REGISTRY = ModelRegistry()
+"""The zoo's registry, filled when the family modules are imported."""
+
+
+def register_model(
+    name: str, *, family: str, size_rank: int, description: str = ""
+) -> Callable[[ModelBuilder], ModelBuilder]:
+    """Return a decorator registering a builder in the zoo.
+
+    Parameters
+    ----------
+    name : str
+        Unique model name.
+    family : str
+        Architecture family.
+    size_rank : int
+        Rank by size within the family, 0 for the smallest; unique per family.
+    description : str, optional
+        One-line description.
+
+    Returns
+    -------
+    Callable[[ModelBuilder], ModelBuilder]
+        A decorator that registers the builder and returns it unchanged.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` or ``(family, size_rank)`` is already registered.
+    """
+    return _REGISTRY.register(
+        name, family=family, size_rank=size_rank, description=description
+    )
+
+
+def get_model(
+    name: str, *, input_shape: Sequence[int], num_classes: int, norm: str = "batch"
+) -> TesseraModel:
+    """Build a registered model by name.
+
+    Parameters
+    ----------
+    name : str
+        Model name, one of :func:`list_models`.
+    input_shape : Sequence[int]
+        Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
+    num_classes : int
+        Number of classes, at least 2.
+    norm : str, optional
+        Normalisation: ``"batch"`` (default), ``"static-batch"``, ``"group"`` or
+        ``"none"``.
+
+    Returns
+    -------
+    TesseraModel
+        A freshly initialised model.
+
+    Raises
+    ------
+    ValueError
+        If the name, input shape, number of classes or norm is invalid.
+    """
+    return _REGISTRY.build(
+        name, input_shape=input_shape, num_classes=num_classes, norm=norm
+    )
+
+
+def list_models(family: str | None = None) -> list[str]:
+    """Return registered model names, ordered by family then ascending size rank.
+
+    Parameters
+    ----------
+    family : str or None, optional
+        Restrict to this family; all families when None.
+
+    Returns
+    -------
+    list[str]
+        Model names.
+
+    Raises
+    ------
+    ValueError
+        If ``family`` is not a registered family.
+    """
+    return _REGISTRY.names(family)
+
+
+def list_families() -> list[str]:
+    """Return the registered model families, sorted alphabetically.
+
+    Returns
+    -------
+    list[str]
+        Family names.
+    """
+    return _REGISTRY.families()
+
+
+def model_entry(name: str) -> ModelEntry:
+    """Return the registry entry of a model.
+
+    Parameters
+    ----------
+    name : str
+        Model name.
+
+    Returns
+    -------
+    ModelEntry
+        Its entry: family, size rank, builder, description.
+
+    Raises
+    ------
+    ValueError
+        If no model is registered under ``name``.
+    """
+    return _REGISTRY.entry(name)
