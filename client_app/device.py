@@ -57,29 +57,35 @@ GiB: Final = 1024 * MiB
 ACCELERATORS: Final = frozenset({"cpu", "cuda", "mps"})
 PROFILE_SOURCES: Final = frozenset({"probed", "predefined"})
 
-# Dense fp32 GEMM reaches most of a CPU's peak; training a *small* conv net
-# does not: im2col/packing, batch-norm and activation passes that are memory
-# bound, narrow channel counts (poor vectorisation), the backward pass'
-# transposed convolutions and per-op dispatcher overhead. Measured PyTorch
-# CPU training of CIFAR-sized ResNets/MobileNets typically lands at 15-35 %
-# of the GEMM rate of the same machine; 0.25 is the middle of that range.
-# Only the order of magnitude matters for architecture choice.
-CPU_CONV_TRAINING_EFFICIENCY: Final = 0.25
+# Throughput unit used everywhere here: multiply-accumulates *executed* per
+# second while training a small conv net, forward and backward together
+# (selection counts one training sample as 3x its forward MACs).
+#
+# A 256x256 fp32 GEMM runs closer to peak than conv-net training does
+# (im2col/packing, memory-bound batch-norm and activations, narrow channels,
+# dispatcher overhead). Measured on this project's x86 build machine
+# (2 cores, PyTorch 2.14 CPU, SGD with momentum, 32x32x3 input, a 6-conv
+# CIFAR-style net of width 8..64): training reached 0.22-0.32 of the GEMM
+# rate for 2.6 M MACs/sample, 0.4-0.7 for 10-40 M and 0.85-0.97 for 150 M.
+# 0.5 is the middle; it is conservative for the large models, which are the
+# ones the time budget rejects.
+CPU_CONV_TRAINING_EFFICIENCY: Final = 0.5
 
-# The same reasoning on a GPU, where small kernels and small batches leave
-# most streaming multiprocessors idle and launch overhead dominates: small
-# conv nets reach roughly 10-30 % of large-GEMM fp32 throughput.
+# The same ratio on a GPU against a 2048x2048 fp32 GEMM. Small kernels and
+# small batches leave most streaming multiprocessors idle and kernel-launch
+# overhead dominates, so small conv nets reach roughly 10-30 % of it (not
+# measured here: no GPU on the build machine; order of magnitude only).
 GPU_CONV_TRAINING_EFFICIENCY: Final = 0.2
 
-# Conservative effective training throughput per CPU core used when the
-# benchmark is skipped (``probe_device(benchmark=False)``): between an ARM
-# Cortex-A72 core (~5e8) and a desktop x86 core with AVX2 (~2.5e9).
-DEFAULT_CPU_TRAIN_MACS_PER_CORE: Final = 1.0e9
+# Training throughput per CPU core assumed when the benchmark is skipped
+# (``probe_device(benchmark=False)``): a Cortex-A72 core (~1.5e9, GEMM ~3e9
+# x 0.5), well below a desktop x86 core (~1.5e10), so that an unmeasured
+# device is assumed slow rather than fast.
+DEFAULT_CPU_TRAIN_MACS_PER_CORE: Final = 2.0e9
 
-# Effective *training* throughput (MAC/s, forward-equivalent; see
-# CPU/GPU_CONV_TRAINING_EFFICIENCY) for CUDA devices by marketing name, used
-# when the GPU benchmark is skipped. Figures are fp32 peak (vendor data
-# sheets: 2 FLOP per MAC) times GPU_CONV_TRAINING_EFFICIENCY, rounded.
+# Training throughput (MAC/s, unit above) of CUDA devices by marketing name,
+# used when the GPU benchmark is skipped. Figures are fp32 peak (vendor data
+# sheets; 2 FLOP per MAC) times GPU_CONV_TRAINING_EFFICIENCY, rounded.
 # Patterns are matched as whole words, longest-first, so "A10" does not match
 # "A100". Order of magnitude is what matters.
 _CUDA_TRAIN_MACS_BY_NAME: Final[tuple[tuple[str, float], ...]] = (
@@ -93,11 +99,11 @@ _CUDA_TRAIN_MACS_BY_NAME: Final[tuple[tuple[str, float], ...]] = (
     ("T4", 8.0e11),  # 8.1 TFLOPS fp32
     ("RTX 4090", 8.0e12),  # 82.6 TFLOPS fp32
     ("RTX 3090", 3.5e12),  # 35.6 TFLOPS fp32
-    ("Orin", 1.5e11),  # Orin Nano/NX: 1024 CUDA cores @ 0.6-0.9 GHz, ~1.3-1.9 TFLOPS
-    ("Xavier", 1.2e11),  # Xavier NX/AGX: 384-512 CUDA cores, ~1.0-1.4 TFLOPS
+    ("Orin", 1.0e11),  # Orin Nano/NX: 1024 CUDA cores @ 0.6-0.8 GHz, ~1.3-1.6 TFLOPS
+    ("Xavier", 1.0e11),  # Xavier NX/AGX: 384-512 CUDA cores, ~1.0-1.4 TFLOPS
 )
 _DEFAULT_CUDA_TRAIN_MACS: Final = 1.0e12
-_DEFAULT_JETSON_TRAIN_MACS: Final = 1.5e11
+_DEFAULT_JETSON_TRAIN_MACS: Final = 1.0e11
 
 # cgroup v1 reports "no limit" as a page-aligned LONG_MAX
 # (9223372036854771712); anything above 2**60 bytes (1 EiB) is treated the
@@ -135,9 +141,9 @@ class DeviceProfile:
     is_jetson : bool
         Whether the device is an NVIDIA Jetson (unified memory).
     train_macs_per_second : float
-        Effective throughput for training small conv nets, in
-        forward-equivalent multiply-accumulates per second. Callers count a
-        training step as three forward passes.
+        Multiply-accumulates executed per second while training small conv
+        nets, forward and backward together. Selection counts one training
+        sample as three times its forward MACs.
 
     Raises
     ------
@@ -158,10 +164,13 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         """Validate field values once, at construction."""
         if not self.name:
-            raise DeviceProfileError("DeviceProfile name is empty; give a name such as 'probed'")
+            raise DeviceProfileError(
+                "DeviceProfile name is empty; give a name such as 'probed'"
+            )
         if self.source not in PROFILE_SOURCES:
             raise DeviceProfileError(
-                f"DeviceProfile source {self.source!r} is invalid; use one of {sorted(PROFILE_SOURCES)}"
+                f"DeviceProfile source {self.source!r} is invalid; "
+                f"use one of {sorted(PROFILE_SOURCES)}"
             )
         if self.accelerator not in ACCELERATORS:
             raise DeviceProfileError(
@@ -170,20 +179,29 @@ class DeviceProfile:
             )
         if not (math.isfinite(self.cpu_cores) and self.cpu_cores > 0):
             raise DeviceProfileError(
-                f"DeviceProfile cpu_cores={self.cpu_cores!r} is invalid; use a positive number"
+                f"DeviceProfile cpu_cores={self.cpu_cores!r} is invalid; "
+                "use a positive number"
             )
         if self.memory_bytes <= 0:
             raise DeviceProfileError(
-                f"DeviceProfile memory_bytes={self.memory_bytes!r} is invalid; use a positive byte count"
+                f"DeviceProfile memory_bytes={self.memory_bytes!r} is invalid; "
+                "use a positive byte count"
             )
-        if self.accelerator_memory_bytes is not None and self.accelerator_memory_bytes <= 0:
+        if (
+            self.accelerator_memory_bytes is not None
+            and self.accelerator_memory_bytes <= 0
+        ):
             raise DeviceProfileError(
-                f"DeviceProfile accelerator_memory_bytes={self.accelerator_memory_bytes!r} is invalid; "
+                "DeviceProfile accelerator_memory_bytes="
+                f"{self.accelerator_memory_bytes!r} is invalid; "
                 "use a positive byte count or None"
             )
-        if not (math.isfinite(self.train_macs_per_second) and self.train_macs_per_second > 0):
+        if not (
+            math.isfinite(self.train_macs_per_second) and self.train_macs_per_second > 0
+        ):
             raise DeviceProfileError(
-                f"DeviceProfile train_macs_per_second={self.train_macs_per_second!r} is invalid; "
+                "DeviceProfile train_macs_per_second="
+                f"{self.train_macs_per_second!r} is invalid; "
                 "use a positive number"
             )
 
@@ -193,7 +211,9 @@ class DeviceProfile:
         Keys are kebab-case (``"cpu-cores"``). ``None`` is not allowed in a
         ``ConfigRecord``, so an absent ``accelerator_name`` is written as
         ``""`` and an absent ``accelerator_memory_bytes`` as ``0``;
-        :meth:`from_dict` maps them back to ``None``.
+        :meth:`from_dict` maps them back to ``None``. The dict is invariant in
+        its value type, so pass a copy to Flower for mypy:
+        ``ConfigRecord({**profile.to_dict()})``.
 
         Returns
         -------
@@ -278,27 +298,34 @@ def _get_int(data: Mapping[str, object], key: str) -> int:
 def _get_float(data: Mapping[str, object], key: str) -> float:
     value = _require(data, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DeviceProfileError(f"device profile key {key!r} has {value!r}; expected a number")
+        raise DeviceProfileError(
+            f"device profile key {key!r} has {value!r}; expected a number"
+        )
     return float(value)
 
 
-# Throughput figures are *effective training* MAC/s (forward-equivalent), i.e.
-# peak x CPU_CONV_TRAINING_EFFICIENCY / GPU_CONV_TRAINING_EFFICIENCY, rounded
-# to one significant figure:
+# Throughput figures are training MAC/s (unit above): GEMM rate x
+# CPU_CONV_TRAINING_EFFICIENCY, or fp32 peak x GPU_CONV_TRAINING_EFFICIENCY,
+# rounded; only the order of magnitude matters.
 # - cpu-small: Raspberry Pi Zero 2 W class, 512 MiB, one usable Cortex-A53
-#   core at 1 GHz (the other three are left to the OS and Flower, and the
-#   board throttles under sustained load). NEON fp32 GEMM reaches ~0.8-1
-#   GMAC/s per core; x 0.25 -> 2e8.
+#   core at 1 GHz (the other three left to the OS and Flower; the board
+#   throttles under sustained load). In-order A53 NEON fp32 GEMM reaches
+#   ~1 GMAC/s; the small models such a device runs train at ~0.2-0.3 of GEMM
+#   (see CPU_CONV_TRAINING_EFFICIENCY) -> 2e8.
 # - cpu-medium: Raspberry Pi 4/5 class, 4 Cortex-A72/A76 cores, 4 GiB.
-#   GEMM ~2-4 GMAC/s per core; x 0.25 x 4 cores -> 2e9.
+#   fp32 GEMM ~3e9 (A72) to ~8e9 (A76) per core; x 0.5 x 4 cores,
+#   towards the Pi 4 end -> 1e10.
 # - cpu-large: 8-core x86 laptop/desktop with AVX2/FMA, 16 GiB. GEMM
-#   ~10 GMAC/s per core sustained; x 0.25 x 8 cores -> 2e10.
+#   ~2-3e10 per core (this project's AVX-512 build machine measures 3.7e10
+#   per core), sub-linear scaling to 8 cores and laptop throttling
+#   (~1.5e11) x 0.5 -> 8e10.
 # - jetson-orin: Orin Nano/NX 8 GB, 6 Arm cores, 1024-core Ampere GPU,
-#   ~1.3-1.9 TFLOPS fp32 (NVIDIA data sheet) = 0.65-0.95e12 MAC/s x 0.2 ->
-#   1.5e11. Memory is unified: accelerator memory == host memory.
-# - gpu-server: A100/H100 80 GB, 32 host cores, 256 GiB host memory.
-#   19.5-67 TFLOPS fp32 -> ~1-3e13 MAC/s x 0.2 -> 2e12 (A100 end; small
-#   models do not saturate an H100 either).
+#   1.3-1.6 TFLOPS fp32 (NVIDIA data sheets) = 0.64-0.8e12 MAC/s x 0.2 ->
+#   1e11 (barely above cpu-large for tiny models: launch-bound). Memory is
+#   unified: accelerator memory == host memory.
+# - gpu-server: A100 80 GB, 32 host cores, 256 GiB host memory.
+#   19.5 TFLOPS fp32 (~1e13 MAC/s, more with cuDNN's default TF32) x 0.2
+#   -> 2e12.
 PREDEFINED_PROFILES: Final[Mapping[str, DeviceProfile]] = MappingProxyType(
     {
         "cpu-small": DeviceProfile(
@@ -321,7 +348,7 @@ PREDEFINED_PROFILES: Final[Mapping[str, DeviceProfile]] = MappingProxyType(
             accelerator_name=None,
             accelerator_memory_bytes=None,
             is_jetson=False,
-            train_macs_per_second=2.0e9,
+            train_macs_per_second=1.0e10,
         ),
         "cpu-large": DeviceProfile(
             name="cpu-large",
@@ -332,7 +359,7 @@ PREDEFINED_PROFILES: Final[Mapping[str, DeviceProfile]] = MappingProxyType(
             accelerator_name=None,
             accelerator_memory_bytes=None,
             is_jetson=False,
-            train_macs_per_second=2.0e10,
+            train_macs_per_second=8.0e10,
         ),
         "jetson-orin": DeviceProfile(
             name="jetson-orin",
@@ -343,7 +370,7 @@ PREDEFINED_PROFILES: Final[Mapping[str, DeviceProfile]] = MappingProxyType(
             accelerator_name="Orin",
             accelerator_memory_bytes=8 * GiB,
             is_jetson=True,
-            train_macs_per_second=1.5e11,
+            train_macs_per_second=1.0e11,
         ),
         "gpu-server": DeviceProfile(
             name="gpu-server",
@@ -382,8 +409,8 @@ def predefined_profile(name: str) -> DeviceProfile:
         return PREDEFINED_PROFILES[name]
     except KeyError:
         raise DeviceProfileError(
-            f"unknown device profile {name!r}; use one of {sorted(PREDEFINED_PROFILES)} "
-            "or leave it empty to probe the device"
+            f"unknown device profile {name!r}; use one of "
+            f"{sorted(PREDEFINED_PROFILES)} or leave it empty to probe the device"
         ) from None
 
 
@@ -443,7 +470,9 @@ def read_cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
         period_text = _read_text(directory / "cpu.cfs_period_us")
         quota = _parse_int(quota_text, directory / "cpu.cfs_quota_us")
         period = (
-            _parse_int(period_text, directory / "cpu.cfs_period_us") if period_text is not None else None
+            _parse_int(period_text, directory / "cpu.cfs_period_us")
+            if period_text is not None
+            else None
         )
         if quota is None or period is None or quota <= 0 or period <= 0:
             return None
@@ -579,7 +608,10 @@ def detect_jetson(
 
 def _check_benchmark_args(seconds: float) -> None:
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"benchmark seconds={seconds!r} is invalid; use a positive duration such as 0.2")
+        raise ValueError(
+            f"benchmark seconds={seconds!r} is invalid; "
+            "use a positive duration such as 0.2"
+        )
 
 
 def measure_cpu_macs_per_second(threads: int, seconds: float = 0.2) -> float:
@@ -588,7 +620,7 @@ def measure_cpu_macs_per_second(threads: int, seconds: float = 0.2) -> float:
     Runs 256x256 fp32 matmuls with ``torch.set_num_threads(threads)`` for
     about ``seconds`` (the previous thread count is restored afterwards),
     and multiplies the GEMM rate by :data:`CPU_CONV_TRAINING_EFFICIENCY`
-    (0.25) to approximate what training a small conv net achieves.
+    (0.5) to approximate what training a small conv net achieves.
 
     Parameters
     ----------
@@ -600,7 +632,7 @@ def measure_cpu_macs_per_second(threads: int, seconds: float = 0.2) -> float:
     Returns
     -------
     float
-        Effective training MAC/s (forward-equivalent).
+        Training MAC/s, forward and backward together.
 
     Raises
     ------
@@ -651,7 +683,7 @@ def measure_accelerator_macs_per_second(device: str, seconds: float = 0.2) -> fl
     Returns
     -------
     float
-        Effective training MAC/s (forward-equivalent).
+        Training MAC/s, forward and backward together.
 
     Raises
     ------
@@ -661,7 +693,9 @@ def measure_accelerator_macs_per_second(device: str, seconds: float = 0.2) -> fl
     import torch
 
     if device not in ("cuda", "mps"):
-        raise ValueError(f"accelerator benchmark device {device!r} is invalid; use 'cuda' or 'mps'")
+        raise ValueError(
+            f"accelerator benchmark device {device!r} is invalid; use 'cuda' or 'mps'"
+        )
     _check_benchmark_args(seconds)
 
     def synchronize() -> None:
@@ -692,11 +726,16 @@ def measure_accelerator_macs_per_second(device: str, seconds: float = 0.2) -> fl
 
 def _cuda_macs_from_name(name: str, *, is_jetson: bool) -> float:
     """Look up a CUDA device's nominal training throughput by its name."""
-    for pattern, macs in sorted(_CUDA_TRAIN_MACS_BY_NAME, key=lambda item: -len(item[0])):
-        if re.search(rf"(?<![\w-]){re.escape(pattern)}(?![\w-])", name, flags=re.IGNORECASE):
+    for pattern, macs in sorted(
+        _CUDA_TRAIN_MACS_BY_NAME, key=lambda item: -len(item[0])
+    ):
+        word = rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])"
+        if re.search(word, name, flags=re.IGNORECASE):
             return macs
     default = _DEFAULT_JETSON_TRAIN_MACS if is_jetson else _DEFAULT_CUDA_TRAIN_MACS
-    log.debug("no throughput figure for CUDA device %r; assuming %.3g MAC/s", name, default)
+    log.debug(
+        "no throughput figure for CUDA device %r; assuming %.3g MAC/s", name, default
+    )
     return default
 
 
@@ -749,20 +788,26 @@ def probe_device(
         props = torch.cuda.get_device_properties(0)
         accelerator, accelerator_name = "cuda", str(props.name)
         accelerator_memory = int(props.total_memory)
-        macs = (
-            measure_accelerator_macs_per_second("cuda")
-            if benchmark
-            else _cuda_macs_from_name(accelerator_name, is_jetson=is_jetson)
-        )
+        macs = _cuda_macs_from_name(accelerator_name, is_jetson=is_jetson)
+        if benchmark:
+            try:
+                macs = measure_accelerator_macs_per_second("cuda")
+            except RuntimeError as exc:  # out of memory, busy or broken device
+                log.warning(
+                    "CUDA benchmark failed (%s); assuming %.3g MAC/s", exc, macs
+                )
     elif torch.backends.mps.is_available():
         accelerator, accelerator_name = "mps", "Apple MPS"
         try:
             accelerator_memory = int(torch.mps.recommended_max_memory()) or memory
         except (AttributeError, RuntimeError) as exc:
-            log.debug("torch.mps.recommended_max_memory unavailable (%s); using host memory", exc)
+            log.debug(
+                "torch.mps.recommended_max_memory unavailable (%s); using host memory",
+                exc,
+            )
             accelerator_memory = memory
         # Without a benchmark, assume an entry-level Apple GPU (~2.6 TFLOPS
-        # fp32 for an M1 8-core GPU) x GPU_CONV_TRAINING_EFFICIENCY.
+        # fp32 = 1.3e12 MAC/s for an M1 8-core GPU) x GPU_CONV_TRAINING_EFFICIENCY.
         macs = measure_accelerator_macs_per_second("mps") if benchmark else 2.6e11
     elif benchmark:
         threads = max(1, math.floor(cores))
@@ -835,10 +880,15 @@ def resolve_profile(
         profiles = [predefined_profile(n) for n in names]
         if partition_id is None or partition_id < 0:
             raise DeviceProfileError(
-                f"partition_id={partition_id!r} is invalid for simulated device profiles {names}; "
+                f"partition_id={partition_id!r} is invalid for simulated device "
+                f"profiles {names}; "
                 "set node-config 'partition-id' to a non-negative integer"
             )
         profile = profiles[partition_id % len(profiles)]
-        log.info("device profile %r for partition %d (round-robin)", profile.name, partition_id)
+        log.info(
+            "device profile %r for partition %d (round-robin)",
+            profile.name,
+            partition_id,
+        )
         return profile
     return probe_device(cgroup_root=cgroup_root, benchmark=benchmark)

@@ -45,7 +45,7 @@ BYTES_PER_FLOAT: Final = 4
 """fp32 training."""
 
 PARAM_COPIES: Final = 4
-"""Weights, gradients, SGD momentum, one copy (global model kept for the update/proximal term)."""
+"""Weights, gradients, SGD momentum and one copy (e.g. the global model of FedProx)."""
 
 ACTIVATION_COPIES: Final = 3
 """Activations saved by the forward pass, their gradients, and kernel workspace."""
@@ -57,7 +57,7 @@ resident-set growth of ``import torch`` plus a first tiny training step is
 ~100-200 MiB on x86 and aarch64; 150 MiB is the middle."""
 
 TRAINING_MACS_FACTOR: Final = 3
-"""A training step counted as three forward passes (forward, input-gradient and weight-gradient)."""
+"""Training MACs per sample, in forward passes: forward, input and weight gradients."""
 
 
 class SelectionError(ValueError):
@@ -96,8 +96,14 @@ class CandidateCost:
     def __post_init__(self) -> None:
         """Validate counts once, at construction."""
         if not self.name:
-            raise SelectionError("CandidateCost name is empty; use the model's registry name")
-        if self.params <= 0 or self.macs_per_sample <= 0 or self.activations_per_sample < 0:
+            raise SelectionError(
+                "CandidateCost name is empty; use the model's registry name"
+            )
+        if (
+            self.params <= 0
+            or self.macs_per_sample <= 0
+            or self.activations_per_sample < 0
+        ):
             raise SelectionError(
                 f"CandidateCost {self.name!r} has params={self.params}, "
                 f"macs_per_sample={self.macs_per_sample}, "
@@ -136,11 +142,13 @@ class Workload:
         """Validate values once, at construction."""
         if self.samples_per_round <= 0:
             raise SelectionError(
-                f"Workload samples_per_round={self.samples_per_round} is invalid; use a positive count"
+                f"Workload samples_per_round={self.samples_per_round} is invalid; "
+                "use a positive count"
             )
         if self.batch_size <= 0:
             raise SelectionError(
-                f"Workload batch_size={self.batch_size} is invalid; use a positive batch size"
+                f"Workload batch_size={self.batch_size} is invalid; "
+                "use a positive batch size"
             )
         if not self.input_shape or any(d <= 0 for d in self.input_shape):
             raise SelectionError(
@@ -183,7 +191,8 @@ class Budget:
             )
         if not 0 < self.memory_fraction <= 1:
             raise SelectionError(
-                f"Budget memory_fraction={self.memory_fraction} is invalid; use a value in (0, 1]"
+                f"Budget memory_fraction={self.memory_fraction} is invalid; "
+                "use a value in (0, 1]"
             )
 
 
@@ -220,7 +229,9 @@ class ArchChoice:
 def estimate_training_memory(c: CandidateCost, w: Workload) -> int:
     """Estimate the peak memory of training candidate ``c``.
 
-    ``memory = params * 4 B * 4 + activations_per_sample * batch_size * 4 B * 3 + 150 MiB``
+    ``memory = params * 4 B * 4``
+    ``+ activations_per_sample * batch_size * 4 B * 3``
+    ``+ 150 MiB``
 
     * ``params * 4 B * 4``: fp32 weights, gradients, momentum, one spare copy;
     * ``activations * batch * 4 B * 3``: fp32 activations saved by the
@@ -240,11 +251,15 @@ def estimate_training_memory(c: CandidateCost, w: Workload) -> int:
         Bytes.
     """
     param_bytes = c.params * BYTES_PER_FLOAT * PARAM_COPIES
-    activation_bytes = c.activations_per_sample * w.batch_size * BYTES_PER_FLOAT * ACTIVATION_COPIES
+    activation_bytes = (
+        c.activations_per_sample * w.batch_size * BYTES_PER_FLOAT * ACTIVATION_COPIES
+    )
     return param_bytes + activation_bytes + RUNTIME_OVERHEAD_BYTES
 
 
-def estimate_round_seconds(c: CandidateCost, w: Workload, profile: DeviceProfile) -> float:
+def estimate_round_seconds(
+    c: CandidateCost, w: Workload, profile: DeviceProfile
+) -> float:
     """Estimate the local training time of one round.
 
     ``seconds = 3 * macs_per_sample * samples_per_round / train_macs_per_second``
@@ -263,7 +278,12 @@ def estimate_round_seconds(c: CandidateCost, w: Workload, profile: DeviceProfile
     float
         Seconds.
     """
-    return TRAINING_MACS_FACTOR * c.macs_per_sample * w.samples_per_round / profile.train_macs_per_second
+    return (
+        TRAINING_MACS_FACTOR
+        * c.macs_per_sample
+        * w.samples_per_round
+        / profile.train_macs_per_second
+    )
 
 
 def available_training_memory(profile: DeviceProfile) -> tuple[int, str]:
@@ -287,7 +307,9 @@ def available_training_memory(profile: DeviceProfile) -> tuple[int, str]:
     if profile.is_jetson:
         return profile.memory_bytes, "unified host memory (Jetson)"
     if profile.accelerator_memory_bytes is None:
-        log.debug("profile %r has no accelerator memory; using host memory", profile.name)
+        log.debug(
+            "profile %r has no accelerator memory; using host memory", profile.name
+        )
         return profile.memory_bytes, "host memory (accelerator memory unknown)"
     return profile.accelerator_memory_bytes, "accelerator memory"
 
@@ -301,13 +323,14 @@ def _violations(memory: int, limit: int, seconds: float, budget: Budget) -> list
     failed = []
     if memory > limit:
         failed.append(
-            f"memory {_mib(memory)} exceeds the {_mib(limit)} budget by {_mib(memory - limit)} "
-            f"({memory / limit:.2f}x)"
+            f"memory {_mib(memory)} exceeds the {_mib(limit)} budget "
+            f"by {_mib(memory - limit)} ({memory / limit:.2f}x)"
         )
     if seconds > budget.max_round_seconds:
         failed.append(
-            f"time {seconds:.1f} s exceeds the {budget.max_round_seconds:.1f} s budget by "
-            f"{seconds - budget.max_round_seconds:.1f} s "
+            f"time {seconds:.1f} s exceeds the "
+            f"{budget.max_round_seconds:.1f} s budget "
+            f"by {seconds - budget.max_round_seconds:.1f} s "
             f"({seconds / budget.max_round_seconds:.2f}x)"
         )
     return failed
@@ -359,7 +382,8 @@ def choose_architecture(
     ranks = [c.size_rank for c in candidates]
     if len(set(names)) != len(names) or len(set(ranks)) != len(ranks):
         raise SelectionError(
-            f"candidates {list(zip(names, ranks, strict=True))} repeat a name or size_rank; "
+            f"candidates {list(zip(names, ranks, strict=True))} repeat a name "
+            "or size_rank; "
             "give each candidate a unique name and size_rank"
         )
 
@@ -375,7 +399,8 @@ def choose_architecture(
             rejected.append(f"{candidate.name} ({'; '.join(failed)})")
             continue
         reason = (
-            f"{candidate.name} is the largest of {len(candidates)} candidates within budget: "
+            f"{candidate.name} is the largest of {len(candidates)} candidates "
+            "within budget: "
             f"memory {_mib(memory)} <= {_mib(limit)} ({budget.memory_fraction:.0%} of "
             f"{_mib(available)} {memory_label}), time {seconds:.1f} s <= "
             f"{budget.max_round_seconds:.1f} s"
@@ -396,8 +421,9 @@ def choose_architecture(
     memory = estimate_training_memory(smallest, workload)
     seconds = estimate_round_seconds(smallest, workload, profile)
     reason = (
-        f"no candidate fits {_mib(available)} {memory_label} x {budget.memory_fraction:.0%} and "
-        f"{budget.max_round_seconds:.1f} s per round; using the smallest, {smallest.name}: "
+        f"no candidate fits {budget.memory_fraction:.0%} of {_mib(available)} "
+        f"{memory_label} and {budget.max_round_seconds:.1f} s per round; "
+        f"using the smallest, {smallest.name}: "
         + "; ".join(_violations(memory, limit, seconds, budget))
     )
     log.warning("profile %r: %s", profile.name, reason)
@@ -412,31 +438,34 @@ def choose_architecture(
 
 
 def candidate_costs(
-    family: str, input_shape: Sequence[int], num_classes: int
+    family: str, input_shape: Sequence[int], num_classes: int, *, norm: str = "batch"
 ) -> list[CandidateCost]:
     """Build every model of a family and measure its costs.
 
     Parameters
     ----------
     family : str
-        Model family as recorded in the ``models`` registry
-        (``model_entry(name).family``).
+        Model family of the ``models`` registry (``models.list_families()``).
     input_shape : Sequence of int
         Shape of one sample, e.g. ``(3, 32, 32)``.
     num_classes : int
         Number of output classes.
+    norm : str
+        Normalisation passed to ``models.get_model`` (it changes the
+        activation count slightly).
 
     Returns
     -------
     list of CandidateCost
-        One entry per model of the family, sorted by ``size_rank``.
+        One entry per model of the family, by ascending ``size_rank``.
 
     Raises
     ------
-    SelectionError
-        If the family has no models.
+    ValueError
+        From the registry, if the family, input shape, class count or norm is
+        invalid.
     """
-    # Imported lazily: building models needs torch, the pure selection does not.
+    # Imported lazily: building models needs torch; the pure selection does not.
     from models import (
         count_activations,
         count_macs,
@@ -447,13 +476,9 @@ def candidate_costs(
     )
 
     shape = tuple(int(d) for d in input_shape)
-    names = [n for n in list_models() if model_entry(n).family == family]
-    if not names:
-        families = sorted({model_entry(n).family for n in list_models()})
-        raise SelectionError(f"model family {family!r} has no models; use one of {families}")
     costs = []
-    for name in names:
-        model = get_model(name, input_shape=shape, num_classes=num_classes)
+    for name in list_models(family):
+        model = get_model(name, input_shape=shape, num_classes=num_classes, norm=norm)
         costs.append(
             CandidateCost(
                 name=name,

@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 __all__ = [
     "ImageAdapter",
     "TesseraModel",
+    "check_batch_shape",
     "count_activations",
     "count_macs",
     "count_parameters",
@@ -132,8 +133,21 @@ def image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
     return 1, side, side
 
 
-def _check_batch_shape(x: Tensor, input_shape: tuple[int, ...]) -> None:
-    """Raise if ``x`` is not a batch of samples of shape ``input_shape``."""
+def check_batch_shape(x: Tensor, input_shape: tuple[int, ...]) -> None:
+    """Check that ``x`` is a batch of samples of shape ``input_shape``.
+
+    Parameters
+    ----------
+    x : Tensor
+        Batch whose first dimension is the batch dimension.
+    input_shape : tuple[int, ...]
+        Expected shape of one sample.
+
+    Raises
+    ------
+    ValueError
+        If ``x.shape[1:]`` differs from ``input_shape``.
+    """
     if tuple(x.shape[1:]) != input_shape or x.dim() != len(input_shape) + 1:
         raise ValueError(
             f"Model was built for input_shape {input_shape} (batch dimension "
@@ -175,7 +189,7 @@ class ImageAdapter(nn.Module):
         Tensor
             Batch of shape ``(N, *output_shape)``.
         """
-        _check_batch_shape(x, self.input_shape)
+        check_batch_shape(x, self.input_shape)
         if len(self.input_shape) == 3:
             return x
         channels, height, width = self.output_shape
@@ -346,10 +360,18 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _dummy_forward(
-    model: nn.Module, input_shape: Sequence[int], hooked: list[nn.Module], hook: _Hook
+    model: nn.Module,
+    input_shape: Sequence[int],
+    hooked: Sequence[nn.Module],
+    hook: _Hook,
 ) -> None:
     """Run a no-grad dummy batch through ``model`` with ``hook`` on ``hooked``."""
-    shape = validate_input_shape(input_shape)
+    shape = tuple(input_shape)
+    if not shape or not all(isinstance(d, Integral) and d >= 1 for d in shape):
+        raise ValueError(
+            f"input_shape must be a non-empty tuple of positive ints without the batch "
+            f"dimension, e.g. (1, 8, 8) or (64,); got {input_shape!r}."
+        )
     reference = next(iter(model.parameters()), None)
     device = reference.device if reference is not None else torch.device("cpu")
     dtype = reference.dtype if reference is not None else torch.float32
@@ -363,9 +385,8 @@ def _dummy_forward(
             handle.remove()
 
 
-
 def _per_sample_numel(output: object) -> int:
-    """Number of elements per sample of a module output (tensor or tuple of them)."""
+    """Count the elements per sample of a module output (tensor or tuple of them)."""
     if isinstance(output, Tensor):
         return output.numel() // _DUMMY_BATCH if output.dim() > 0 else 0
     if isinstance(output, (tuple, list)):
@@ -405,7 +426,9 @@ def count_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
         elif isinstance(module, nn.Linear):
             total += out * module.in_features
 
-    hooked = [m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))]
+    hooked = [
+        m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))
+    ]
     _dummy_forward(model, input_shape, hooked, hook)
     return total
 

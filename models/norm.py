@@ -82,7 +82,9 @@ def group_count(num_channels: int, max_groups: int = MAX_GROUPS) -> int:
         If ``num_channels`` or ``max_groups`` is smaller than 1.
     """
     if num_channels < 1:
-        raise ValueError(f"num_channels must be >= 1 for group norm, got {num_channels}.")
+        raise ValueError(
+            f"num_channels must be >= 1 for group norm, got {num_channels}."
+        )
     if max_groups < 1:
         raise ValueError(f"max_groups must be >= 1 for group norm, got {max_groups}.")
     for groups in range(min(max_groups, num_channels), 0, -1):
@@ -126,10 +128,10 @@ def no_norm(num_channels: int) -> nn.Module:
 
 _NORMS: Final[Mapping[str, NormFactory]] = MappingProxyType(
     {
-    "batch": batch_norm,
-    "static-batch": static_batch_norm,
-    "group": group_norm,
-    "none": no_norm,
+        "batch": batch_norm,
+        "static-batch": static_batch_norm,
+        "group": group_norm,
+        "none": no_norm,
     }
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from models.base import TesseraModel, validate_input_shape, validate_num_classes
 from models.norm import NormFactory, get_norm
@@ -41,6 +41,9 @@ class ModelBuilder(Protocol):
     ) -> TesseraModel:
         """Build a model for inputs of ``input_shape`` and ``num_classes`` classes."""
         ...
+
+
+BuilderT = TypeVar("BuilderT", bound=ModelBuilder)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class ModelRegistry:
 
     def register(
         self, name: str, *, family: str, size_rank: int, description: str = ""
-    ) -> Callable[[ModelBuilder], ModelBuilder]:
+    ) -> Callable[[BuilderT], BuilderT]:
         """Return a decorator registering a builder under ``name``.
 
         Parameters
@@ -97,7 +100,7 @@ class ModelRegistry:
 
         Returns
         -------
-        Callable[[ModelBuilder], ModelBuilder]
+        Callable[[BuilderT], BuilderT]
             A decorator that registers the builder and returns it unchanged.
 
         Raises
@@ -117,7 +120,7 @@ class ModelRegistry:
                 f"{size_rank} for model {name!r}."
             )
 
-        def decorator(builder: ModelBuilder) -> ModelBuilder:
+        def decorator(builder: BuilderT) -> BuilderT:
             if name in self._entries:
                 raise ValueError(
                     f"A model named {name!r} is already registered; pick another name."
@@ -236,7 +239,9 @@ class ModelRegistry:
         shape = validate_input_shape(input_shape)
         classes = validate_num_classes(num_classes)
         norm_layer = get_norm(norm)
-        return entry.builder(input_shape=shape, num_classes=classes, norm_layer=norm_layer)
+        return entry.builder(
+            input_shape=shape, num_classes=classes, norm_layer=norm_layer
+        )
 
 
 _REGISTRY = ModelRegistry()
@@ -245,7 +250,7 @@ _REGISTRY = ModelRegistry()
 
 def register_model(
     name: str, *, family: str, size_rank: int, description: str = ""
-) -> Callable[[ModelBuilder], ModelBuilder]:
+) -> Callable[[BuilderT], BuilderT]:
     """Return a decorator registering a builder in the zoo.
 
     Parameters
@@ -261,7 +266,7 @@ def register_model(
 
     Returns
     -------
-    Callable[[ModelBuilder], ModelBuilder]
+    Callable[[BuilderT], BuilderT]
         A decorator that registers the builder and returns it unchanged.
 
     Raises

@@ -1,0 +1,1 @@
+"""Client side of Tessera: ClientApp handlers, device profiles and local training."""

@@ -1,0 +1,160 @@
+"""Local training and evaluation loops (plain PyTorch, scheme-agnostic).
+
+A scheme changes the local objective by passing ``loss_fn``; everything else (seeded
+shuffling, optimiser, timing) is shared.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tessera.data import ArrayDataset
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(model, x, y) -> scalar loss`` for one minibatch."""
+
+
+def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The plain task loss."""
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one local training run did."""
+
+    loss: float
+    seconds: float
+    num_examples: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """SGD settings for local training."""
+
+    epochs: int
+    batch_size: int
+    learning_rate: float
+    momentum: float
+    weight_decay: float
+
+
+def select_device(accelerator: str) -> torch.device:
+    """Map a profile's accelerator to a torch device that exists here.
+
+    Emulated profiles (a ``jetson-orin`` profile in simulation on a CPU machine) fall
+    back to the CPU.
+    """
+    if accelerator == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda")
+    if accelerator == "mps" and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def train_model(
+    model: nn.Module,
+    data: ArrayDataset,
+    *,
+    optim: OptimConfig,
+    device: torch.device,
+    seed: int,
+    loss_fn: LossFn = cross_entropy_loss,
+) -> TrainStats:
+    """Train ``model`` in place with SGD (momentum) on ``data``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model (moved to ``device``).
+    data : ArrayDataset
+        Training data.
+    optim : OptimConfig
+        Epochs, batch size and SGD settings.
+    device : torch.device
+        Where to train.
+    seed : int
+        Seeds the shuffling, so a run is reproducible.
+    loss_fn : LossFn
+        The local objective for one minibatch.
+
+    Returns
+    -------
+    TrainStats
+        Mean training loss, seconds, examples seen per epoch and steps.
+    """
+    start = time.perf_counter()
+    model.to(device)
+    model.train()
+    x_all = torch.from_numpy(data.x)
+    y_all = torch.from_numpy(data.y)
+    n = len(data)
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=optim.learning_rate,
+        momentum=optim.momentum,
+        weight_decay=optim.weight_decay,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    total, count, steps = 0.0, 0, 0
+    for _ in range(optim.epochs):
+        order = torch.randperm(n, generator=gen)
+        for begin in range(0, n, optim.batch_size):
+            idx = order[begin : begin + optim.batch_size]
+            if len(idx) < 2 < n:
+                continue  # batch norm cannot train on a single sample
+            x = x_all[idx].to(device)
+            y = y_all[idx].to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, x, y)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"local loss became {loss.item()}; lower run-config 'learning-rate' "
+                    f"(now {optim.learning_rate})"
+                )
+            loss.backward()
+            opt.step()
+            total += float(loss.item()) * len(idx)
+            count += len(idx)
+            steps += 1
+    return TrainStats(
+        loss=total / max(count, 1),
+        seconds=time.perf_counter() - start,
+        num_examples=n,
+        steps=steps,
+    )
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module, data: ArrayDataset, *, batch_size: int, device: torch.device
+) -> tuple[float, float]:
+    """Return ``(mean cross-entropy, accuracy)`` of ``model`` on ``data``.
+
+    An empty dataset gives ``(nan, nan)``.
+    """
+    if len(data) == 0:
+        return math.nan, math.nan
+    model.to(device)
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for begin in range(0, len(data), batch_size):
+        x = torch.from_numpy(data.x[begin : begin + batch_size]).to(device)
+        y = torch.from_numpy(data.y[begin : begin + batch_size]).to(device)
+        logits = model(x)
+        loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum").item())
+        correct += int((logits.argmax(dim=1) == y).sum().item())
+    return loss_sum / len(data), correct / len(data)
+
+
+def label_counts(labels: np.ndarray, num_classes: int) -> list[int]:
+    """Count labels per class (0..num_classes-1)."""
+    return [int(c) for c in np.bincount(labels.astype(np.int64), minlength=num_classes)[:num_classes]]

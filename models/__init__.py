@@ -1,0 +1,77 @@
+"""Tessera's model zoo: heterogeneous architectures behind one interface.
+
+Every model is a :class:`TesseraModel` with a body (``forward_features``, flat
+representations of size ``feature_dim``) and a linear head (``forward_head``).
+Importing this package registers every family (``cnn``, ``mlp``, ``mobilenetv2``,
+``preresnet``, ``resnet``, ``torchvision``); build models by name with
+:func:`get_model` and enumerate them with :func:`list_models`. torchvision is only
+imported when a ``tv-*`` model is built.
+
+Examples
+--------
+>>> from models import get_model, list_models
+>>> model = get_model("cnn-3", input_shape=(1, 8, 8), num_classes=10, norm="group")
+>>> list_models("mlp")
+['mlp-s', 'mlp-m', 'mlp-l']
+"""
+
+# Importing the family modules registers their models; keep one import per family.
+from models import cnn, mlp, mobilenetv2, preresnet, resnet, tv
+from models.base import (
+    TesseraModel,
+    count_activations,
+    count_macs,
+    count_parameters,
+    image_shape,
+)
+from models.cnn import CNN, CNNConfig
+from models.mlp import MLP
+from models.mobilenetv2 import InvertedResidualSetting, MobileNetV2, MobileNetV2Config
+from models.norm import NormFactory, get_norm, list_norms
+from models.preresnet import PreResNet, PreResNetConfig
+from models.registry import (
+    ModelBuilder,
+    ModelEntry,
+    get_model,
+    list_families,
+    list_models,
+    model_entry,
+    register_model,
+)
+from models.resnet import ResNet, ResNetConfig
+from models.tv import TorchvisionModel
+
+__all__ = [
+    "CNN",
+    "MLP",
+    "CNNConfig",
+    "InvertedResidualSetting",
+    "MobileNetV2",
+    "MobileNetV2Config",
+    "ModelBuilder",
+    "ModelEntry",
+    "NormFactory",
+    "PreResNet",
+    "PreResNetConfig",
+    "ResNet",
+    "ResNetConfig",
+    "TesseraModel",
+    "TorchvisionModel",
+    "cnn",
+    "count_activations",
+    "count_macs",
+    "count_parameters",
+    "get_model",
+    "get_norm",
+    "image_shape",
+    "list_families",
+    "list_models",
+    "list_norms",
+    "mlp",
+    "mobilenetv2",
+    "model_entry",
+    "preresnet",
+    "register_model",
+    "resnet",
+    "tv",
+]

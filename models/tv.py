@@ -1,0 +1,254 @@
+"""The ``torchvision`` family: torchvision's ImageNet architectures, untrained.
+
+Each builder imports torchvision lazily, so ``import models`` works on an image
+without torchvision; building a ``tv-*`` model there raises an ``ImportError`` that
+says how to fix it. Weights are never downloaded (``weights=None``).
+
+Adaptation to the zoo's interface:
+
+* the first convolution is rebuilt for the input's channel count (1 for digits and
+  for flat vectors);
+* the original classifier's last linear layer becomes the head (built for
+  ``num_classes``), everything before it is the body, so ``forward_features`` returns
+  the pre-logit vector (512-d for ResNet-18, 1024-d / 1280-d for MobileNetV3
+  small / large); MobileNetV3's classifier dropout is removed so that ``forward`` is
+  deterministic;
+* the injected norm replaces torchvision's (for MobileNetV3 that drops its
+  ``eps=1e-3, momentum=0.01`` batch-norm settings);
+* inputs smaller than :data:`MIN_INPUT_SIZE` pixels in height or width are
+  bilinearly upsampled inside the model to at least that size: the ImageNet stems
+  downsample by 32, so an 8x8 digit would otherwise be 1x1 after the second stage.
+  Flat vectors are first made one-channel square images, see
+  :class:`models.base.ImageAdapter`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Final
+
+from torch import Tensor, nn
+
+from models.base import ImageAdapter, TesseraModel
+from models.norm import NormFactory, batch_norm
+from models.registry import list_families, register_model
+
+__all__ = ["MIN_INPUT_SIZE", "TorchvisionModel"]
+
+FAMILY: Final = "torchvision"
+
+MIN_INPUT_SIZE: Final = 32
+"""Smaller inputs are upsampled to this height and width inside the model."""
+
+
+class TorchvisionModel(TesseraModel):
+    """A torchvision body and a linear head behind the zoo's interface.
+
+    Parameters
+    ----------
+    backbone : nn.Module
+        Maps an image batch to flat representations of size ``head.in_features``.
+    head : nn.Linear
+        Classifier mapping representations to ``num_classes`` logits.
+    input_shape : Sequence[int]
+        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+    num_classes : int
+        Number of classes, at least 2; must equal ``head.out_features``.
+    min_input_size : int, optional
+        Images smaller than this in height or width are bilinearly upsampled to at
+        least this size, by default :data:`MIN_INPUT_SIZE`.
+    """
+
+    def __init__(
+        self,
+        *,
+        backbone: nn.Module,
+        head: nn.Linear,
+        input_shape: Sequence[int],
+        num_classes: int,
+        min_input_size: int = MIN_INPUT_SIZE,
+    ) -> None:
+        super().__init__(
+            input_shape=input_shape,
+            feature_dim=head.in_features,
+            num_classes=num_classes,
+        )
+        if head.out_features != self.num_classes:
+            raise ValueError(
+                f"head has {head.out_features} outputs but num_classes is "
+                f"{self.num_classes}; build the head with num_classes outputs."
+            )
+        self.adapter = ImageAdapter(input_shape=self.input_shape)
+        _, height, width = self.adapter.output_shape
+        self.resize: nn.Module = nn.Identity()
+        if min(height, width) < min_input_size:
+            size = (max(height, min_input_size), max(width, min_input_size))
+            self.resize = nn.Upsample(size=size, mode="bilinear", align_corners=False)
+        self.backbone = backbone
+        self.head = head
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Map a batch to representations of size ``feature_dim``.
+
+        Parameters
+        ----------
+        x : Tensor
+            Batch of shape ``(N, *input_shape)``.
+
+        Returns
+        -------
+        Tensor
+            Representations of shape ``(N, feature_dim)``.
+        """
+        z: Tensor = self.backbone(self.resize(self.adapter(x)))
+        return z
+
+
+def _torchvision_models(model_name: str) -> ModuleType:
+    """Import ``torchvision.models``, or explain how to do without it."""
+    try:
+        return importlib.import_module("torchvision.models")
+    except ImportError as err:
+        others = [f for f in list_families() if f != FAMILY]
+        raise ImportError(
+            f"torchvision is required for model '{model_name}'; install it with pip "
+            f"install torchvision, or pick a model from the families "
+            f"{'/'.join(others)}."
+        ) from err
+
+
+def _adapt_first_conv(model: nn.Module, in_channels: int) -> None:
+    """Rebuild the first ``Conv2d`` of ``model`` for ``in_channels`` input channels."""
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    if not convs:  # pragma: no cover - every torchvision classifier starts with a conv
+        raise ValueError(f"{type(model).__name__} has no Conv2d to adapt.")
+    name, first = convs[0]
+    if first.in_channels == in_channels:
+        return
+    replacement = nn.Conv2d(
+        in_channels,
+        first.out_channels,
+        kernel_size=first.kernel_size,  # type: ignore[arg-type]
+        stride=first.stride,  # type: ignore[arg-type]
+        padding=first.padding,  # type: ignore[arg-type]
+        bias=first.bias is not None,
+    )
+    nn.init.kaiming_normal_(replacement.weight, mode="fan_out", nonlinearity="relu")
+    if replacement.bias is not None:
+        nn.init.zeros_(replacement.bias)
+    parent_name, _, child_name = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, replacement)
+
+
+def _as_linear(module: object, where: str) -> nn.Linear:
+    """Return ``module`` if it is the expected linear classifier, else raise."""
+    if not isinstance(module, nn.Linear):  # pragma: no cover - torchvision changed
+        raise TypeError(
+            f"Expected torchvision's {where} to be nn.Linear, got "
+            f"{type(module).__name__}; this torchvision version is not supported."
+        )
+    return module
+
+
+def _resnet(
+    model_name: str,
+    arch: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory,
+) -> TorchvisionModel:
+    tvm = _torchvision_models(model_name)
+    image = ImageAdapter(input_shape=input_shape).output_shape
+    model: nn.Module = getattr(tvm, arch)(
+        weights=None, num_classes=num_classes, norm_layer=norm_layer
+    )
+    _adapt_first_conv(model, image[0])
+    head = _as_linear(model.fc, f"{arch}.fc")
+    model.fc = nn.Identity()
+    return TorchvisionModel(
+        backbone=model, head=head, input_shape=input_shape, num_classes=num_classes
+    )
+
+
+def _mobilenet_v3(
+    model_name: str,
+    arch: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory,
+) -> TorchvisionModel:
+    tvm = _torchvision_models(model_name)
+    image = ImageAdapter(input_shape=input_shape).output_shape
+    model: nn.Module = getattr(tvm, arch)(
+        weights=None, num_classes=num_classes, norm_layer=norm_layer, dropout=0.0
+    )
+    _adapt_first_conv(model, image[0])
+    classifier = list(model.get_submodule("classifier").children())
+    pre_logits, activation, _dropout, last = classifier
+    head = _as_linear(last, f"{arch}.classifier[3]")
+    model.classifier = nn.Sequential(pre_logits, activation)
+    return TorchvisionModel(
+        backbone=model, head=head, input_shape=input_shape, num_classes=num_classes
+    )
+
+
+@register_model(
+    "tv-mobilenet_v3_small",
+    family=FAMILY,
+    size_rank=0,
+    description="torchvision MobileNetV3-Small, untrained, 1024-d features",
+)
+def tv_mobilenet_v3_small(
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory = batch_norm,
+) -> TorchvisionModel:
+    """Build torchvision's MobileNetV3-Small behind the zoo's interface."""
+    return _mobilenet_v3(
+        "tv-mobilenet_v3_small",
+        "mobilenet_v3_small",
+        input_shape,
+        num_classes,
+        norm_layer,
+    )
+
+
+@register_model(
+    "tv-mobilenet_v3_large",
+    family=FAMILY,
+    size_rank=1,
+    description="torchvision MobileNetV3-Large, untrained, 1280-d features",
+)
+def tv_mobilenet_v3_large(
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory = batch_norm,
+) -> TorchvisionModel:
+    """Build torchvision's MobileNetV3-Large behind the zoo's interface."""
+    return _mobilenet_v3(
+        "tv-mobilenet_v3_large",
+        "mobilenet_v3_large",
+        input_shape,
+        num_classes,
+        norm_layer,
+    )
+
+
+@register_model(
+    "tv-resnet18",
+    family=FAMILY,
+    size_rank=2,
+    description="torchvision ResNet-18 (ImageNet stem), untrained, 512-d features",
+)
+def tv_resnet18(
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory = batch_norm,
+) -> TorchvisionModel:
+    """Build torchvision's ResNet-18 behind the zoo's interface."""
+    return _resnet("tv-resnet18", "resnet18", input_shape, num_classes, norm_layer)

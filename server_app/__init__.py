@@ -1,0 +1,1 @@
+"""The Tessera ServerApp (Flower component ``server_app.app:app``)."""

@@ -1,0 +1,21 @@
+"""Federated schemes: one module per scheme, each registering itself on import.
+
+``get_scheme(name)`` returns a :class:`~strategies.registry.Scheme` holding the
+scheme's server strategy, its client algorithm and its option parser.
+"""
+
+from strategies import fedavg, fedavg_groups, fedprox, flwr_fedavg, local
+from strategies.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
+
+__all__ = [
+    "Scheme",
+    "SchemeError",
+    "fedavg",
+    "fedavg_groups",
+    "fedprox",
+    "flwr_fedavg",
+    "get_scheme",
+    "list_schemes",
+    "local",
+    "register_scheme",
+]

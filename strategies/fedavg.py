@@ -1,0 +1,122 @@
+"""FedAvg: every participating client trains one shared architecture.
+
+Two ways to make a mixed fleet fit one architecture (FedHeNN's Figure 1):
+
+- default: the largest architecture that the weakest device can train (the minimum of
+  the devices' own choices), so strong devices are held back;
+- ``fedavg-arch=<name>`` forces one; with ``fedavg-exclude-unfit=true`` the devices
+  whose own choice is smaller than it are left out of training instead (without an
+  explicit ``fedavg-arch`` that flag picks the largest architecture any device chose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import RecordDict
+
+from strategies.aggregation import weighted_average
+from strategies.base import HeteroStrategy, NodeInfo
+from strategies.client import ClientAlgorithm
+from strategies.registry import Scheme, register_scheme
+from strategies.validation import ClientReply
+from tessera import wire
+from tessera.config import ConfigError, ConfigReader
+
+
+@dataclass(frozen=True)
+class FedAvgOptions:
+    """Options of ``fedavg`` (run-config ``fedavg-arch``, ``fedavg-exclude-unfit``)."""
+
+    arch: str | None
+    exclude_unfit: bool
+
+    @classmethod
+    def parse(cls, run_config: Mapping[str, Any]) -> FedAvgOptions:
+        """Read the options from the run config."""
+        r = ConfigReader(run_config, "run-config")
+        arch = r.optional_str("fedavg-arch")
+        if arch is not None:
+            from models import list_models
+
+            if arch not in list_models():
+                raise ConfigError(
+                    f"run-config 'fedavg-arch' is '{arch}', which is not a registered "
+                    f"model; use one of {', '.join(list_models())} or leave it empty"
+                )
+        return cls(arch=arch, exclude_unfit=r.get("fedavg-exclude-unfit", bool, False))
+
+
+class FedAvgStrategy(HeteroStrategy):
+    """One global model of one architecture, example-weighted averaging."""
+
+    name = "fedavg"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.shared_arch: str | None = None
+        self.global_arrays: dict[str, np.ndarray] | None = None
+
+    def _choose_shared(self, nodes: Mapping[int, NodeInfo]) -> str:
+        opts: FedAvgOptions = self.options
+        if opts.arch is not None:
+            return opts.arch
+        pick = max if opts.exclude_unfit else min
+        return pick(nodes.values(), key=lambda i: i.size_rank).arch
+
+    def assign_architectures(self, nodes: Mapping[int, NodeInfo]) -> dict[int, str | None]:
+        """All nodes on the shared architecture; unfit ones out if so configured."""
+        if not nodes:
+            return {}
+        if self.shared_arch is None:
+            self.shared_arch = self._choose_shared(nodes)
+            self.global_arrays = self.initial_arrays(self.shared_arch)
+        from models import model_entry
+
+        entry = model_entry(self.shared_arch)
+        out: dict[int, str | None] = {}
+        for node_id, info in nodes.items():
+            unfit = info.family == entry.family and info.size_rank < entry.size_rank
+            out[node_id] = None if (unfit and self.options.exclude_unfit) else self.shared_arch
+        return out
+
+    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
+        """Config plus the global weights."""
+        content = super().node_content(server_round, node_id, arch)
+        assert self.global_arrays is not None  # set in assign_architectures
+        content[wire.ARRAYS] = wire.numpy_to_record(self.global_arrays)
+        return content
+
+    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Example-weighted average of the replies' weights."""
+        arrays = [r.arrays for r in replies if r.arrays is not None]
+        self.global_arrays = weighted_average(arrays, [r.num_examples for r in replies])
+        return {"shared_arch": self.shared_arch}
+
+    def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
+        """The one global model."""
+        if self.shared_arch is None or self.global_arrays is None:
+            return {}
+        return {self.shared_arch: self.global_arrays}
+
+    def describe(self) -> dict[str, Any]:
+        """Options and the architecture chosen."""
+        return {"fedavg-arch": self.options.arch, "fedavg-exclude-unfit":
+                self.options.exclude_unfit, "shared_arch": self.shared_arch}
+
+
+class FedAvgClient(ClientAlgorithm):
+    """Cross-entropy training of the received global model."""
+
+
+SCHEME = register_scheme(Scheme(
+    name="fedavg",
+    server=FedAvgStrategy,
+    client=FedAvgClient,
+    parse_options=FedAvgOptions.parse,
+    default_family="cnn",
+    description="FedAvg on one shared architecture (weakest device's, or forced)",
+))

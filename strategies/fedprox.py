@@ -1,0 +1,100 @@
+"""FedProx: FedAvg plus a proximal term mu/2 * ||w - w_global||^2 in the local loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, RecordDict
+from torch import nn
+
+from client_app.training import LossFn
+from strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
+from strategies.registry import Scheme, register_scheme
+from tessera.config import ConfigError, ConfigReader
+
+
+@dataclass(frozen=True)
+class FedProxOptions(FedAvgOptions):
+    """FedAvg's options plus ``proximal-mu``."""
+
+    proximal_mu: float = 0.01
+
+    @classmethod
+    def parse(cls, run_config: Mapping[str, Any]) -> FedProxOptions:
+        """Read the options from the run config."""
+        base = FedAvgOptions.parse(run_config)
+        mu = ConfigReader(run_config, "run-config").get("proximal-mu", float, 0.01)
+        if mu < 0:
+            raise ConfigError(
+                f"run-config 'proximal-mu' is {mu}; use a non-negative value, e.g. 0.01"
+            )
+        return cls(arch=base.arch, exclude_unfit=base.exclude_unfit, proximal_mu=mu)
+
+
+class FedProxStrategy(FedAvgStrategy):
+    """FedAvg that also sends ``proximal-mu`` to the clients."""
+
+    name = "fedprox"
+
+    def train_config(self, server_round: int, node_id: int, arch: str) -> ConfigRecord:
+        """FedAvg's config plus ``proximal-mu``."""
+        config = super().train_config(server_round, node_id, arch)
+        config["proximal-mu"] = self.options.proximal_mu
+        return config
+
+
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
+    """Return ``sum ||w - w0||^2`` over the model's parameters.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model being trained.
+    anchor : list[torch.Tensor]
+        Detached copies of the parameters at the start of the round, in
+        ``model.parameters()`` order.
+
+    Returns
+    -------
+    torch.Tensor
+        A differentiable scalar.
+    """
+    params = list(model.parameters())
+    if len(params) != len(anchor):
+        raise ValueError(f"{len(params)} parameters but {len(anchor)} anchors")
+    total = torch.zeros((), device=params[0].device)
+    for p, a in zip(params, anchor, strict=True):
+        total = total + torch.sum((p - a) ** 2)
+    return total
+
+
+class FedProxClient(FedAvgClient):
+    """Cross-entropy plus the proximal term towards the received global weights."""
+
+    def begin_round(self, model: nn.Module, content: RecordDict) -> None:
+        """Snapshot the global weights as the proximal anchor."""
+        self._anchor = [p.detach().clone() for p in model.parameters()]
+
+    def loss_fn(self) -> LossFn:
+        """``CE + mu/2 * ||w - w_global||^2``."""
+        mu = self.options.proximal_mu
+        anchor = self._anchor
+
+        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            task = nn.functional.cross_entropy(model(x), y)
+            return task + 0.5 * mu * proximal_term(model, anchor)
+
+        return loss
+
+
+SCHEME = register_scheme(Scheme(
+    name="fedprox",
+    server=FedProxStrategy,
+    client=FedProxClient,
+    parse_options=FedProxOptions.parse,
+    default_family="cnn",
+    description="FedProx (FedAvg + proximal term) on one shared architecture",
+))

@@ -1,0 +1,90 @@
+"""Registry of schemes: one name, one module, server and client side together."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from strategies.client import ClientAlgorithm
+
+
+class SchemeError(ValueError):
+    """Unknown or duplicate scheme name."""
+
+
+class ServerRunner(Protocol):
+    """What the ServerApp needs from a scheme's server side."""
+
+    def start(self, grid: Grid, *args: Any, **kwargs: Any) -> Result:
+        """Run the federation."""
+        ...
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A registered scheme.
+
+    Attributes
+    ----------
+    name : str
+        The run-config ``strategy`` value.
+    server : Callable[..., ServerRunner]
+        Builds the server side: ``server(env=..., options=..., results=...)``.
+    client : type[ClientAlgorithm]
+        The client side.
+    parse_options : Callable[[Mapping[str, Any]], Any]
+        Parses the scheme's own run-config keys into a typed object.
+    default_family : str
+        The architecture family used when run-config ``model-family`` is empty.
+    description : str
+        One line for ``--help`` style listings and the README.
+    """
+
+    name: str
+    server: Callable[..., ServerRunner]
+    client: type[ClientAlgorithm]
+    parse_options: Callable[[Mapping[str, Any]], Any]
+    default_family: str
+    description: str
+
+
+_SCHEMES: dict[str, Scheme] = {}
+
+
+def no_options(run_config: Mapping[str, Any]) -> None:
+    """Option parser of schemes that have no options of their own."""
+    return None
+
+
+def register_scheme(scheme: Scheme) -> Scheme:
+    """Register ``scheme``; a duplicate name raises :class:`SchemeError`."""
+    if scheme.name in _SCHEMES:
+        raise SchemeError(f"scheme '{scheme.name}' is already registered")
+    _SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def get_scheme(name: str) -> Scheme:
+    """Return the scheme called ``name``.
+
+    Raises
+    ------
+    SchemeError
+        If no scheme has that name; the message lists the known ones.
+    """
+    try:
+        return _SCHEMES[name]
+    except KeyError:
+        raise SchemeError(
+            f"unknown strategy '{name}'; set run-config 'strategy' to one of: "
+            f"{', '.join(list_schemes())}"
+        ) from None
+
+
+def list_schemes() -> list[str]:
+    """Names of all registered schemes, sorted."""
+    return sorted(_SCHEMES)

@@ -1,0 +1,185 @@
+"""Validation of client replies, before any arithmetic touches them.
+
+A reply is either accepted as a :class:`ClientReply` (numpy arrays, typed metrics)
+or rejected with a :class:`Rejection` carrying a human-readable reason. Rejections
+are logged and counted by the strategy base; they never raise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from tessera import wire
+
+ArraySpec = Mapping[str, tuple[tuple[int, ...], str]]
+"""Expected ``name -> (shape, dtype name)`` of an architecture's arrays."""
+
+
+@dataclass(frozen=True)
+class ReplySchema:
+    """What a node's reply must contain.
+
+    Attributes
+    ----------
+    arrays : ArraySpec | None
+        Expected arrays under the ``arrays`` record, or ``None`` when the scheme
+        sends no weights back.
+    metrics : tuple[str, ...]
+        Metric keys the ``metrics`` record must hold.
+    extra : Callable[[RecordDict], str | None] | None
+        Scheme-specific check of further records; returns a reason to reject.
+    """
+
+    arrays: ArraySpec | None
+    metrics: tuple[str, ...] = wire.REQUIRED_TRAIN_METRICS
+    extra: Callable[[RecordDict], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class ClientReply:
+    """A validated reply."""
+
+    node_id: int
+    arch: str
+    metrics: dict[str, float]
+    arrays: dict[str, np.ndarray] | None
+    content: RecordDict
+    bytes_up: int
+    bytes_down: int
+
+    @property
+    def num_examples(self) -> int:
+        """Training examples the node used this round."""
+        return int(self.metrics[wire.NUM_EXAMPLES])
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A reply (or a missing one) that was not used, and why."""
+
+    node_id: int
+    reason: str
+    details: dict[str, str] = field(default_factory=dict)
+
+
+def _check_metrics(record: MetricRecord, required: tuple[str, ...]) -> str | dict[str, float]:
+    metrics: dict[str, float] = {}
+    for key in required:
+        if key not in record:
+            return f"metric '{key}' missing from the 'metrics' record"
+    for key, value in record.items():
+        if isinstance(value, list):
+            continue
+        fvalue = float(value)
+        if not math.isfinite(fvalue):
+            return f"metric '{key}' is not finite ({value})"
+        metrics[key] = fvalue
+    if wire.NUM_EXAMPLES in required:
+        num = metrics[wire.NUM_EXAMPLES]
+        if num <= 0 or not float(num).is_integer():
+            return f"'{wire.NUM_EXAMPLES}' must be a positive integer, got {num}"
+    return metrics
+
+
+def check_arrays(record: ArrayRecord, expected: ArraySpec) -> str | dict[str, np.ndarray]:
+    """Check an :class:`ArrayRecord` against an expected spec.
+
+    Parameters
+    ----------
+    record : ArrayRecord
+        The received arrays.
+    expected : ArraySpec
+        Expected names, shapes and dtypes.
+
+    Returns
+    -------
+    str | dict[str, np.ndarray]
+        A reason for rejection, or the arrays as numpy.
+    """
+    missing = [k for k in expected if k not in record]
+    unexpected = [k for k in record if k not in expected]
+    if missing or unexpected:
+        return f"array names differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
+    out: dict[str, np.ndarray] = {}
+    for key, (shape, dtype) in expected.items():
+        arr = record[key]
+        if tuple(arr.shape) != tuple(shape):
+            return f"array '{key}' has shape {tuple(arr.shape)}, expected {tuple(shape)}"
+        if arr.dtype != dtype:
+            return f"array '{key}' has dtype {arr.dtype}, expected {dtype}"
+        try:
+            value = arr.numpy()
+        except Exception as err:  # noqa: BLE001 - any decoding failure rejects
+            return f"array '{key}' cannot be decoded: {err}"
+        if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
+            return f"array '{key}' has non-finite values"
+        out[key] = value
+    return out
+
+
+def validate_reply(
+    reply: Message,
+    *,
+    expected_nodes: Mapping[int, str],
+    schemas: Mapping[int, ReplySchema],
+    bytes_down: Mapping[int, int],
+) -> ClientReply | Rejection:
+    """Validate one train reply.
+
+    Parameters
+    ----------
+    reply : Message
+        The reply as pulled from the grid.
+    expected_nodes : Mapping[int, str]
+        Node id to the architecture it was asked to train this round.
+    schemas : Mapping[int, ReplySchema]
+        Node id to the schema its reply must satisfy.
+    bytes_down : Mapping[int, int]
+        Node id to the size of the payload it was sent.
+
+    Returns
+    -------
+    ClientReply | Rejection
+        The accepted reply or the reason it was rejected.
+    """
+    node_id = int(reply.metadata.src_node_id)
+    if node_id not in expected_nodes:
+        return Rejection(node_id, f"reply from unknown node {node_id}")
+    if reply.has_error():
+        err = reply.error
+        return Rejection(node_id, f"node reported error {err.code}: {err.reason}")
+    if not reply.has_content():
+        return Rejection(node_id, "reply has no content")
+    content = reply.content
+    schema = schemas[node_id]
+    if wire.METRICS not in content.metric_records:
+        return Rejection(node_id, "record 'metrics' missing")
+    metrics = _check_metrics(content.metric_records[wire.METRICS], schema.metrics)
+    if isinstance(metrics, str):
+        return Rejection(node_id, metrics)
+    arrays: dict[str, np.ndarray] | None = None
+    if schema.arrays is not None:
+        if wire.ARRAYS not in content.array_records:
+            return Rejection(node_id, "record 'arrays' missing")
+        checked = check_arrays(content.array_records[wire.ARRAYS], schema.arrays)
+        if isinstance(checked, str):
+            return Rejection(node_id, checked)
+        arrays = checked
+    if schema.extra is not None:
+        reason = schema.extra(content)
+        if reason is not None:
+            return Rejection(node_id, reason)
+    return ClientReply(
+        node_id=node_id,
+        arch=expected_nodes[node_id],
+        metrics=metrics,
+        arrays=arrays,
+        content=content,
+        bytes_up=wire.payload_bytes(content),
+        bytes_down=bytes_down.get(node_id, 0),
+    )

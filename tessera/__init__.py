@@ -1,0 +1,1 @@
+"""Tessera: heterogeneous-architecture federated learning on Flower."""

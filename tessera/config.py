@@ -1,0 +1,302 @@
+"""Run configuration, parsed once from Flower's run config into typed objects.
+
+Flower hands the ServerApp and every ClientApp the same flat ``run_config``
+mapping (kebab-case keys, defaults in ``pyproject.toml``). It is read here, at the
+edge, into :class:`RunConfig`; nothing else in the project touches the raw dict.
+Scheme-specific keys (``proximal-mu``, ...) are read by the scheme's own
+``parse_options`` from the same mapping through :class:`ConfigReader`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T", int, float, str, bool)
+
+PARTITIONERS = ("iid", "dirichlet", "pathological")
+
+
+class ConfigError(ValueError):
+    """A run-config or node-config value is missing, of the wrong type or invalid."""
+
+
+class ConfigReader:
+    """Typed access to a flat Flower config mapping.
+
+    Parameters
+    ----------
+    values : Mapping[str, Any]
+        The raw ``run_config`` or ``node_config``.
+    source : str
+        Where the values come from, used in error messages (``"run-config"``).
+    """
+
+    def __init__(self, values: Mapping[str, Any], source: str) -> None:
+        self._values = dict(values)
+        self._source = source
+
+    def get(self, key: str, kind: type[T], default: T | None = None) -> T:
+        """Return ``key`` converted to ``kind``; raise :class:`ConfigError` if bad.
+
+        Parameters
+        ----------
+        key : str
+            The kebab-case key.
+        kind : type
+            One of ``int``, ``float``, ``str``, ``bool``.
+        default : optional
+            Returned when the key is absent; without it a missing key raises.
+
+        Returns
+        -------
+        int | float | str | bool
+            The converted value.
+        """
+        if key not in self._values:
+            if default is None:
+                raise ConfigError(
+                    f"{self._source} key '{key}' is missing; set it, e.g. "
+                    f'--run-config "{key}=..."'
+                )
+            return default
+        raw = self._values[key]
+        try:
+            return _convert(raw, kind)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(
+                f"{self._source} key '{key}' has value {raw!r}, which is not a valid "
+                f"{kind.__name__}; {err}"
+            ) from err
+
+    def optional_str(self, key: str) -> str | None:
+        """Return a string value, or ``None`` when absent or empty."""
+        if key not in self._values:
+            return None
+        value = str(self._values[key]).strip()
+        return value or None
+
+    def keys(self) -> set[str]:
+        """Return the keys present."""
+        return set(self._values)
+
+
+def _convert(raw: Any, kind: type[T]) -> T:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw  # type: ignore[return-value]
+        if isinstance(raw, str) and raw.lower() in {"true", "false", "1", "0"}:
+            return (raw.lower() in {"true", "1"}) is True  # type: ignore[return-value]
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)  # type: ignore[return-value]
+        raise ValueError("use true or false")
+    if kind is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError("use a whole number")
+        return int(raw)  # type: ignore[return-value]
+    if kind is float:
+        if isinstance(raw, bool):
+            raise ValueError("use a number")
+        value = float(raw)
+        if not math.isfinite(value):
+            raise ValueError("use a finite number")
+        return value  # type: ignore[return-value]
+    return str(raw)  # type: ignore[return-value]
+
+
+def _require(condition: bool, key: str, value: object, fix: str) -> None:
+    if not condition:
+        raise ConfigError(f"run-config key '{key}' has invalid value {value!r}: {fix}")
+
+
+def parse_csv(value: str | None) -> tuple[str, ...]:
+    """Split a comma-separated config value into stripped, non-empty items."""
+    if not value:
+        return ()
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The common run configuration shared by the ServerApp and ClientApps.
+
+    Attributes mirror the kebab-case keys of ``[tool.flwr.app.config]``.
+    """
+
+    strategy: str
+    num_server_rounds: int
+    dataset: str
+    partitioner: str
+    dirichlet_alpha: float
+    classes_per_client: int
+    server_pool_fraction: float
+    local_test_fraction: float
+    seed: int
+    model_family: str | None
+    norm: str
+    local_epochs: int
+    batch_size: int
+    learning_rate: float
+    momentum: float
+    weight_decay: float
+    round_timeout: float
+    min_nodes: int
+    node_wait_timeout: float
+    train_time_budget: float
+    memory_fraction: float
+    sim_device_profiles: tuple[str, ...]
+    output_dir: str
+    run_name: str | None
+
+    @classmethod
+    def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
+        """Parse and validate Flower's ``context.run_config``.
+
+        Parameters
+        ----------
+        run_config : Mapping[str, Any]
+            The raw run config.
+
+        Returns
+        -------
+        RunConfig
+            The validated configuration.
+
+        Raises
+        ------
+        ConfigError
+            If a value is missing, mistyped or out of range; the message names the
+            key, the value and the fix.
+        """
+        r = ConfigReader(run_config, "run-config")
+        cfg = cls(
+            strategy=r.get("strategy", str, "fedavg-groups"),
+            num_server_rounds=r.get("num-server-rounds", int, 5),
+            dataset=r.get("dataset", str, "digits"),
+            partitioner=r.get("partitioner", str, "dirichlet").lower(),
+            dirichlet_alpha=r.get("dirichlet-alpha", float, 0.5),
+            classes_per_client=r.get("classes-per-client", int, 2),
+            server_pool_fraction=r.get("server-pool-fraction", float, 0.1),
+            local_test_fraction=r.get("local-test-fraction", float, 0.2),
+            seed=r.get("seed", int, 42),
+            model_family=r.optional_str("model-family"),
+            norm=r.get("norm", str, "batch"),
+            local_epochs=r.get("local-epochs", int, 2),
+            batch_size=r.get("batch-size", int, 32),
+            learning_rate=r.get("learning-rate", float, 0.05),
+            momentum=r.get("momentum", float, 0.9),
+            weight_decay=r.get("weight-decay", float, 0.0),
+            round_timeout=r.get("round-timeout", float, 300.0),
+            min_nodes=r.get("min-nodes", int, 2),
+            node_wait_timeout=r.get("node-wait-timeout", float, 120.0),
+            train_time_budget=r.get("train-time-budget", float, 5.0),
+            memory_fraction=r.get("memory-fraction", float, 0.5),
+            sim_device_profiles=parse_csv(r.optional_str("sim-device-profiles")),
+            output_dir=r.get("output-dir", str, "results"),
+            run_name=r.optional_str("run-name"),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check ranges; raise :class:`ConfigError` naming the key and the fix."""
+        _require(self.num_server_rounds >= 1, "num-server-rounds",
+                 self.num_server_rounds, "use 1 or more rounds")
+        _require(self.partitioner in PARTITIONERS, "partitioner", self.partitioner,
+                 f"use one of {', '.join(PARTITIONERS)}")
+        _require(self.dirichlet_alpha > 0, "dirichlet-alpha", self.dirichlet_alpha,
+                 "use a positive concentration, e.g. 0.5")
+        _require(self.classes_per_client >= 1, "classes-per-client",
+                 self.classes_per_client, "use 1 or more classes per client")
+        _require(0.0 < self.server_pool_fraction < 0.9, "server-pool-fraction",
+                 self.server_pool_fraction, "use a fraction in (0, 0.9), e.g. 0.1")
+        _require(0.0 <= self.local_test_fraction < 0.9, "local-test-fraction",
+                 self.local_test_fraction, "use a fraction in [0, 0.9), e.g. 0.2")
+        _require(self.local_epochs >= 1, "local-epochs", self.local_epochs,
+                 "use 1 or more local epochs")
+        _require(self.batch_size >= 1, "batch-size", self.batch_size,
+                 "use a positive batch size")
+        _require(self.learning_rate > 0, "learning-rate", self.learning_rate,
+                 "use a positive learning rate, e.g. 0.05")
+        _require(0.0 <= self.momentum < 1.0, "momentum", self.momentum,
+                 "use a momentum in [0, 1)")
+        _require(self.weight_decay >= 0, "weight-decay", self.weight_decay,
+                 "use a non-negative weight decay")
+        _require(self.round_timeout > 0, "round-timeout", self.round_timeout,
+                 "use a positive number of seconds")
+        _require(self.min_nodes >= 1, "min-nodes", self.min_nodes,
+                 "use 1 or more nodes")
+        _require(self.node_wait_timeout > 0, "node-wait-timeout",
+                 self.node_wait_timeout, "use a positive number of seconds")
+        _require(self.train_time_budget > 0, "train-time-budget",
+                 self.train_time_budget, "use a positive number of seconds")
+        _require(0.0 < self.memory_fraction <= 1.0, "memory-fraction",
+                 self.memory_fraction, "use a fraction in (0, 1]")
+        _require(bool(self.output_dir.strip()), "output-dir", self.output_dir,
+                 "name a folder, e.g. results")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict with the kebab-case keys."""
+        out: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            out[key.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a SuperNode's ``--node-config`` (or simulation) says about this node.
+
+    Attributes
+    ----------
+    partition_id, num_partitions : int | None
+        The node's data partition (simulation, or deployment on shared data).
+    arch : str | None
+        Forces an architecture instead of the device-aware choice.
+    device_profile : str | None
+        Names a predefined device profile instead of probing.
+    data_path : str | None
+        A local ``.npz`` file the device trains on instead of a partition.
+    """
+
+    partition_id: int | None
+    num_partitions: int | None
+    arch: str | None
+    device_profile: str | None
+    data_path: str | None
+
+    @classmethod
+    def from_flower(cls, node_config: Mapping[str, Any]) -> NodeConfig:
+        """Parse Flower's ``context.node_config``.
+
+        Raises
+        ------
+        ConfigError
+            If the partition keys are inconsistent or neither data source is given.
+        """
+        r = ConfigReader(node_config, "node-config")
+        keys = r.keys()
+        pid = r.get("partition-id", int) if "partition-id" in keys else None
+        nparts = r.get("num-partitions", int) if "num-partitions" in keys else None
+        data_path = r.optional_str("data-path")
+        if data_path is None:
+            if pid is None or nparts is None:
+                raise ConfigError(
+                    "node-config needs either 'partition-id' and 'num-partitions' "
+                    "or 'data-path'; start the SuperNode with e.g. --node-config "
+                    "\"partition-id=0 num-partitions=3\""
+                )
+            if nparts < 1 or not 0 <= pid < nparts:
+                raise ConfigError(
+                    f"node-config partition-id={pid} num-partitions={nparts} is "
+                    "invalid: partition-id must be in [0, num-partitions)"
+                )
+        return cls(
+            partition_id=pid,
+            num_partitions=nparts,
+            arch=r.optional_str("arch"),
+            device_profile=r.optional_str("device-profile"),
+            data_path=data_path,
+        )

@@ -1,0 +1,197 @@
+"""Results of a run, written as the run goes: config, per-round metrics, summary, plots.
+
+Layout of ``<output-dir>/<run-name>/``:
+
+- ``config.json``: the resolved run config, the nodes' device profiles and
+  architectures, written after the handshake (rewritten when nodes join).
+- ``metrics.jsonl``: one JSON object per round, appended and flushed to disk at the
+  end of every round, so a crash loses at most the round in flight.
+- ``summary.json``: final figures, written at the end.
+- ``accuracy.png``, ``bytes.png``, ``label_distribution.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"cannot serialise {type(value).__name__} to JSON")
+
+
+def _clean(value: Any) -> Any:
+    """Replace NaN/inf by None so the files are strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def dumps(value: Any) -> str:
+    """Serialise to strict JSON (NaN becomes null)."""
+    return json.dumps(_clean(value), default=_json_default, sort_keys=False)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class ResultsWriter:
+    """Writes one run's results folder.
+
+    Parameters
+    ----------
+    directory : Path
+        ``<output-dir>/<run-name>``; created if missing. An existing
+        ``metrics.jsonl`` is kept and appended to only if ``resume`` is true,
+        otherwise a non-empty folder raises so that runs never mix.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory.resolve()
+        metrics = self.directory / "metrics.jsonl"
+        if metrics.exists() and metrics.stat().st_size > 0:
+            raise FileExistsError(
+                f"results folder {self.directory} already holds a run; choose another "
+                "run-config 'run-name' or remove the folder"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = metrics
+        self.rounds: list[dict[str, Any]] = []
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        """Write ``config.json`` (atomically)."""
+        _write_atomic(self.directory / "config.json", json.dumps(
+            _clean(dict(config)), default=_json_default, indent=2))
+
+    def append_round(self, record: Mapping[str, Any]) -> None:
+        """Append one round to ``metrics.jsonl`` and flush it to disk."""
+        self.rounds.append(dict(record))
+        with self.metrics_path.open("a", encoding="utf-8") as fh:
+            fh.write(dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        """Write ``summary.json`` (atomically)."""
+        _write_atomic(self.directory / "summary.json", json.dumps(
+            _clean(dict(summary)), default=_json_default, indent=2))
+
+    def plot_rounds(self) -> list[Path]:
+        """Plot accuracy and bytes per round from the rounds written so far."""
+        return plot_rounds(self.rounds, self.directory)
+
+
+def plot_rounds(rounds: Sequence[Mapping[str, Any]], directory: Path) -> list[Path]:
+    """Write ``accuracy.png`` and ``bytes.png`` for a list of round records.
+
+    Parameters
+    ----------
+    rounds : Sequence[Mapping[str, Any]]
+        Records as written to ``metrics.jsonl``.
+    directory : Path
+        Where the PNGs go.
+
+    Returns
+    -------
+    list[Path]
+        The files written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rounds:
+        return []
+    xs = [r["round"] for r in rounds]
+    written: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    mean = np.array([_nan(r.get("personal_accuracy_mean")) for r in rounds])
+    std = np.array([_nan(r.get("personal_accuracy_std")) for r in rounds])
+    ax.plot(xs, mean, marker="o", label="personalised (mean over clients)")
+    ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+    glob = [_nan(r.get("global_accuracy")) for r in rounds]
+    if not all(math.isnan(g) for g in glob):
+        ax.plot(xs, glob, marker="s", label="global model(s) on the server test set")
+    archs = sorted({c["arch"] for r in rounds for c in r.get("clients", [])})
+    for arch in archs:
+        per = []
+        for r in rounds:
+            accs = [c["test_accuracy"] for c in r.get("clients", []) if c["arch"] == arch]
+            per.append(float(np.mean(accs)) if accs else math.nan)
+        ax.plot(xs, per, linestyle="--", alpha=0.7, label=f"clients on {arch}")
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("Accuracy per round")
+    fig.tight_layout()
+    path = directory / "accuracy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    up = [r.get("bytes_up_total", 0) / 1e6 for r in rounds]
+    down = [r.get("bytes_down_total", 0) / 1e6 for r in rounds]
+    width = 0.4
+    ax.bar([x - width / 2 for x in xs], up, width=width, label="upload (clients to server)")
+    ax.bar([x + width / 2 for x in xs], down, width=width, label="download (server to clients)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("MB per round (all clients)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title("Bytes per round")
+    fig.tight_layout()
+    path = directory / "bytes.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def _nan(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def format_round_row(record: Mapping[str, Any], num_rounds: int) -> str:
+    """One line of the per-round results table printed to the terminal."""
+    glob = record.get("global_accuracy")
+    glob_s = "   -  " if glob is None or (isinstance(glob, float) and math.isnan(glob)) else f"{glob:6.3f}"
+    mean = record.get("personal_accuracy_mean")
+    std = record.get("personal_accuracy_std")
+    pers = "      -      " if mean is None or math.isnan(mean) else f"{mean:6.3f}±{std:5.3f}"
+    return (
+        f"| {record['round']:>3}/{num_rounds:<3} | {record['num_ok']:>2}/{record['num_sent']:<2} "
+        f"| {record['num_rejected']:>3} | {record['num_failed']:>3} | {pers} | {glob_s} "
+        f"| {record['bytes_up_total'] / 1e6:8.3f} | {record['bytes_down_total'] / 1e6:8.3f} "
+        f"| {record['round_seconds']:7.2f} |"
+    )
+
+
+TABLE_HEADER = (
+    "| round   | ok/sent | rej | fail | pers. acc ±std | global | up MB    | down MB  | seconds |"
+)

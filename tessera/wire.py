@@ -1,0 +1,74 @@
+"""The message schema shared by every scheme, and byte accounting.
+
+Record names and metric keys are kebab-case on the wire, as in Flower. A scheme adds
+its own records next to these (its payload schema lives in its own module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, RecordDict
+from flwr.common.serde import recorddict_to_proto
+
+# Record names
+CONFIG = "config"
+ARRAYS = "arrays"
+METRICS = "metrics"
+PROFILE = "profile"
+
+# Metric keys every train reply carries
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
+TEST_ACCURACY = "test-accuracy"
+TEST_LOSS = "test-loss"
+NUM_TEST_EXAMPLES = "num-test-examples"
+TRAIN_SECONDS = "train-seconds"
+REQUIRED_TRAIN_METRICS = (
+    NUM_EXAMPLES,
+    TRAIN_LOSS,
+    TEST_ACCURACY,
+    TEST_LOSS,
+    NUM_TEST_EXAMPLES,
+    TRAIN_SECONDS,
+)
+
+# Query types (``query.<name>``)
+HANDSHAKE = "query.handshake"
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Return the serialised size of a message's records in bytes.
+
+    This is the protobuf encoding Flower sends over gRPC (arrays included), so it
+    measures what actually crosses the network for the payload, without transport
+    framing.
+
+    Parameters
+    ----------
+    content : RecordDict
+        The records of a message.
+
+    Returns
+    -------
+    int
+        Number of bytes.
+    """
+    return int(recorddict_to_proto(content).ByteSize())
+
+
+def state_to_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """Convert a model ``state_dict`` to an :class:`ArrayRecord` (CPU copies)."""
+    return ArrayRecord({k: v.detach().cpu() for k, v in state.items()})
+
+
+def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """Convert an :class:`ArrayRecord` to a dict of numpy arrays, in key order."""
+    return {key: record[key].numpy() for key in record}
+
+
+def numpy_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Convert a dict of numpy arrays to an :class:`ArrayRecord`."""
+    return ArrayRecord({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()})
