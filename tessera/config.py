@@ -191,7 +191,7 @@ class RunConfig:
             round_timeout=r.get("round-timeout", float, 300.0),
             min_nodes=r.get("min-nodes", int, 2),
             node_wait_timeout=r.get("node-wait-timeout", float, 120.0),
-            train_time_budget=r.get("train-time-budget", float, 5.0),
+            train_time_budget=r.get("train-time-budget", float, 2.0),
             memory_fraction=r.get("memory-fraction", float, 0.5),
             sim_device_profiles=parse_csv(r.optional_str("sim-device-profiles")),
             output_dir=r.get("output-dir", str, "results"),
