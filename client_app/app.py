@@ -46,7 +46,7 @@ STATE_MODEL_META = "tessera.model-meta"
 
 @dataclass(frozen=True)
 class NodeData:
-    """This node's data and where it came from."""
+    """Hold this node's data and where it came from."""
 
     train: ArrayDataset
     test: ArrayDataset
@@ -56,7 +56,7 @@ class NodeData:
 
 
 def partition_config(run: RunConfig) -> PartitionConfig:
-    """The partitioner settings of the run."""
+    """Return the partitioner settings of the run."""
     return PartitionConfig(
         scheme=run.partitioner,
         alpha=run.dirichlet_alpha,
@@ -90,7 +90,7 @@ def load_node_data(run: RunConfig, node: NodeConfig) -> NodeData:
 
 
 def _task_shape(config: ConfigRecord, data: NodeData) -> tuple[int, tuple[int, ...]]:
-    """Number of classes and input shape of the federation, checked against the data."""
+    """Return the federation's class count and input shape, checked against the data."""
     if "num-classes" not in config:
         return data.num_classes, data.input_shape
     num_classes = int(config["num-classes"])  # type: ignore[arg-type]
@@ -114,10 +114,11 @@ def _profile(run: RunConfig, node: NodeConfig, context: Context) -> DeviceProfil
     if STATE_NODE in context.state.config_records:
         rec = context.state.config_records[STATE_NODE]
         return DeviceProfile.from_dict(
-            {k[len("device-"):]: v for k, v in rec.items() if k.startswith("device-")}
+            {k[len("device-") :]: v for k, v in rec.items() if k.startswith("device-")}
         )
-    return resolve_profile(node.device_profile, run.sim_device_profiles,
-                           node.partition_id, benchmark=True)
+    return resolve_profile(
+        node.device_profile, run.sim_device_profiles, node.partition_id, benchmark=True
+    )
 
 
 @app.query("handshake")
@@ -131,8 +132,9 @@ def handshake(msg: Message, context: Context) -> Message:
     node = NodeConfig.from_flower(context.node_config)
     scheme = get_scheme(run.strategy)
     data = load_node_data(run, node)
-    profile = resolve_profile(node.device_profile, run.sim_device_profiles,
-                              node.partition_id, benchmark=True)
+    profile = resolve_profile(
+        node.device_profile, run.sim_device_profiles, node.partition_id, benchmark=True
+    )
     family = run.model_family or scheme.default_family
     workload = Workload(
         samples_per_round=len(data.train) * run.local_epochs,
@@ -146,12 +148,12 @@ def handshake(msg: Message, context: Context) -> Message:
         size_rank, family = entry.size_rank, entry.family
         est_mem, est_sec = 0, 0.0
     else:
-        candidates = candidate_costs(family, data.input_shape, data.num_classes,
-                                     norm=run.norm)
+        candidates = candidate_costs(family, data.input_shape, data.num_classes, norm=run.norm)
         choice = choose_architecture(
-            profile, candidates, workload,
-            Budget(max_round_seconds=run.train_time_budget,
-                   memory_fraction=run.memory_fraction),
+            profile,
+            candidates,
+            workload,
+            Budget(max_round_seconds=run.train_time_budget, memory_fraction=run.memory_fraction),
         )
         arch, fits, reason = choice.name, choice.fits, choice.reason
         size_rank = model_entry(arch).size_rank
@@ -216,15 +218,20 @@ def train(msg: Message, context: Context) -> Message:
         if meta["arch"] == arch:
             _load_weights(model, context.state.array_records[STATE_MODEL])
         else:
-            log.warning("stored personal model is %s but the server asks for %s; "
-                        "starting %s from scratch", meta["arch"], arch, arch)
+            log.warning(
+                "stored personal model is %s but the server asks for %s; starting %s from scratch",
+                meta["arch"],
+                arch,
+                arch,
+            )
     model.to(device)
     algo.begin_round(model, content)
     stats = train_model(
         model,
         data.train,
-        optim=OptimConfig(run.local_epochs, run.batch_size, run.learning_rate,
-                          run.momentum, run.weight_decay),
+        optim=OptimConfig(
+            run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
+        ),
         device=device,
         seed=run.seed + 7919 * server_round + data.partition_id,
         loss_fn=algo.loss_fn(),
@@ -234,16 +241,20 @@ def train(msg: Message, context: Context) -> Message:
     if algo.keeps_personal_model:
         context.state[STATE_MODEL] = weights
         context.state[STATE_MODEL_META] = ConfigRecord({"arch": arch})
-    reply = RecordDict({
-        wire.METRICS: MetricRecord({
-            wire.NUM_EXAMPLES: stats.num_examples,
-            wire.TRAIN_LOSS: stats.loss,
-            wire.TEST_ACCURACY: 0.0 if len(data.test) == 0 else test_acc,
-            wire.TEST_LOSS: 0.0 if len(data.test) == 0 else test_loss,
-            wire.NUM_TEST_EXAMPLES: len(data.test),
-            wire.TRAIN_SECONDS: stats.seconds,
-        })
-    })
+    reply = RecordDict(
+        {
+            wire.METRICS: MetricRecord(
+                {
+                    wire.NUM_EXAMPLES: stats.num_examples,
+                    wire.TRAIN_LOSS: stats.loss,
+                    wire.TEST_ACCURACY: 0.0 if len(data.test) == 0 else test_acc,
+                    wire.TEST_LOSS: 0.0 if len(data.test) == 0 else test_loss,
+                    wire.NUM_TEST_EXAMPLES: len(data.test),
+                    wire.TRAIN_SECONDS: stats.seconds,
+                }
+            )
+        }
+    )
     if algo.sends_weights:
         reply[wire.ARRAYS] = weights
     for name, record in algo.extra_records(model, data.train, device).items():
@@ -265,12 +276,22 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
     data = load_node_data(run, node)
     num_classes, input_shape = _task_shape(config, data)
-    model = get_model(algo.arch_for(config), input_shape=input_shape,
-                      num_classes=num_classes, norm=run.norm)
+    model = get_model(
+        algo.arch_for(config), input_shape=input_shape, num_classes=num_classes, norm=run.norm
+    )
     _load_weights(model, content.array_records[wire.ARRAYS])
     loss, acc = evaluate_model(model, data.test, batch_size=256, device=torch.device("cpu"))
-    return Message(RecordDict({wire.METRICS: MetricRecord({
-        wire.NUM_EXAMPLES: max(len(data.test), 1),
-        wire.TEST_LOSS: 0.0 if len(data.test) == 0 else loss,
-        wire.TEST_ACCURACY: 0.0 if len(data.test) == 0 else acc,
-    })}), reply_to=msg)
+    return Message(
+        RecordDict(
+            {
+                wire.METRICS: MetricRecord(
+                    {
+                        wire.NUM_EXAMPLES: max(len(data.test), 1),
+                        wire.TEST_LOSS: 0.0 if len(data.test) == 0 else loss,
+                        wire.TEST_ACCURACY: 0.0 if len(data.test) == 0 else acc,
+                    }
+                )
+            }
+        ),
+        reply_to=msg,
+    )

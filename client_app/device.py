@@ -164,9 +164,7 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         """Validate field values once, at construction."""
         if not self.name:
-            raise DeviceProfileError(
-                "DeviceProfile name is empty; give a name such as 'probed'"
-            )
+            raise DeviceProfileError("DeviceProfile name is empty; give a name such as 'probed'")
         if self.source not in PROFILE_SOURCES:
             raise DeviceProfileError(
                 f"DeviceProfile source {self.source!r} is invalid; "
@@ -179,26 +177,20 @@ class DeviceProfile:
             )
         if not (math.isfinite(self.cpu_cores) and self.cpu_cores > 0):
             raise DeviceProfileError(
-                f"DeviceProfile cpu_cores={self.cpu_cores!r} is invalid; "
-                "use a positive number"
+                f"DeviceProfile cpu_cores={self.cpu_cores!r} is invalid; use a positive number"
             )
         if self.memory_bytes <= 0:
             raise DeviceProfileError(
                 f"DeviceProfile memory_bytes={self.memory_bytes!r} is invalid; "
                 "use a positive byte count"
             )
-        if (
-            self.accelerator_memory_bytes is not None
-            and self.accelerator_memory_bytes <= 0
-        ):
+        if self.accelerator_memory_bytes is not None and self.accelerator_memory_bytes <= 0:
             raise DeviceProfileError(
                 "DeviceProfile accelerator_memory_bytes="
                 f"{self.accelerator_memory_bytes!r} is invalid; "
                 "use a positive byte count or None"
             )
-        if not (
-            math.isfinite(self.train_macs_per_second) and self.train_macs_per_second > 0
-        ):
+        if not (math.isfinite(self.train_macs_per_second) and self.train_macs_per_second > 0):
             raise DeviceProfileError(
                 "DeviceProfile train_macs_per_second="
                 f"{self.train_macs_per_second!r} is invalid; "
@@ -298,9 +290,7 @@ def _get_int(data: Mapping[str, object], key: str) -> int:
 def _get_float(data: Mapping[str, object], key: str) -> float:
     value = _require(data, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DeviceProfileError(
-            f"device profile key {key!r} has {value!r}; expected a number"
-        )
+        raise DeviceProfileError(f"device profile key {key!r} has {value!r}; expected a number")
     return float(value)
 
 
@@ -609,8 +599,7 @@ def detect_jetson(
 def _check_benchmark_args(seconds: float) -> None:
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(
-            f"benchmark seconds={seconds!r} is invalid; "
-            "use a positive duration such as 0.2"
+            f"benchmark seconds={seconds!r} is invalid; use a positive duration such as 0.2"
         )
 
 
@@ -693,9 +682,7 @@ def measure_accelerator_macs_per_second(device: str, seconds: float = 0.2) -> fl
     import torch
 
     if device not in ("cuda", "mps"):
-        raise ValueError(
-            f"accelerator benchmark device {device!r} is invalid; use 'cuda' or 'mps'"
-        )
+        raise ValueError(f"accelerator benchmark device {device!r} is invalid; use 'cuda' or 'mps'")
     _check_benchmark_args(seconds)
 
     def synchronize() -> None:
@@ -726,16 +713,12 @@ def measure_accelerator_macs_per_second(device: str, seconds: float = 0.2) -> fl
 
 def _cuda_macs_from_name(name: str, *, is_jetson: bool) -> float:
     """Look up a CUDA device's nominal training throughput by its name."""
-    for pattern, macs in sorted(
-        _CUDA_TRAIN_MACS_BY_NAME, key=lambda item: -len(item[0])
-    ):
+    for pattern, macs in sorted(_CUDA_TRAIN_MACS_BY_NAME, key=lambda item: -len(item[0])):
         word = rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])"
         if re.search(word, name, flags=re.IGNORECASE):
             return macs
     default = _DEFAULT_JETSON_TRAIN_MACS if is_jetson else _DEFAULT_CUDA_TRAIN_MACS
-    log.debug(
-        "no throughput figure for CUDA device %r; assuming %.3g MAC/s", name, default
-    )
+    log.debug("no throughput figure for CUDA device %r; assuming %.3g MAC/s", name, default)
     return default
 
 
@@ -793,9 +776,7 @@ def probe_device(
             try:
                 macs = measure_accelerator_macs_per_second("cuda")
             except RuntimeError as exc:  # out of memory, busy or broken device
-                log.warning(
-                    "CUDA benchmark failed (%s); assuming %.3g MAC/s", exc, macs
-                )
+                log.warning("CUDA benchmark failed (%s); assuming %.3g MAC/s", exc, macs)
     elif torch.backends.mps.is_available():
         accelerator, accelerator_name = "mps", "Apple MPS"
         try:

@@ -96,14 +96,8 @@ class CandidateCost:
     def __post_init__(self) -> None:
         """Validate counts once, at construction."""
         if not self.name:
-            raise SelectionError(
-                "CandidateCost name is empty; use the model's registry name"
-            )
-        if (
-            self.params <= 0
-            or self.macs_per_sample <= 0
-            or self.activations_per_sample < 0
-        ):
+            raise SelectionError("CandidateCost name is empty; use the model's registry name")
+        if self.params <= 0 or self.macs_per_sample <= 0 or self.activations_per_sample < 0:
             raise SelectionError(
                 f"CandidateCost {self.name!r} has params={self.params}, "
                 f"macs_per_sample={self.macs_per_sample}, "
@@ -147,8 +141,7 @@ class Workload:
             )
         if self.batch_size <= 0:
             raise SelectionError(
-                f"Workload batch_size={self.batch_size} is invalid; "
-                "use a positive batch size"
+                f"Workload batch_size={self.batch_size} is invalid; use a positive batch size"
             )
         if not self.input_shape or any(d <= 0 for d in self.input_shape):
             raise SelectionError(
@@ -191,8 +184,7 @@ class Budget:
             )
         if not 0 < self.memory_fraction <= 1:
             raise SelectionError(
-                f"Budget memory_fraction={self.memory_fraction} is invalid; "
-                "use a value in (0, 1]"
+                f"Budget memory_fraction={self.memory_fraction} is invalid; use a value in (0, 1]"
             )
 
 
@@ -251,15 +243,11 @@ def estimate_training_memory(c: CandidateCost, w: Workload) -> int:
         Bytes.
     """
     param_bytes = c.params * BYTES_PER_FLOAT * PARAM_COPIES
-    activation_bytes = (
-        c.activations_per_sample * w.batch_size * BYTES_PER_FLOAT * ACTIVATION_COPIES
-    )
+    activation_bytes = c.activations_per_sample * w.batch_size * BYTES_PER_FLOAT * ACTIVATION_COPIES
     return param_bytes + activation_bytes + RUNTIME_OVERHEAD_BYTES
 
 
-def estimate_round_seconds(
-    c: CandidateCost, w: Workload, profile: DeviceProfile
-) -> float:
+def estimate_round_seconds(c: CandidateCost, w: Workload, profile: DeviceProfile) -> float:
     """Estimate the local training time of one round.
 
     ``seconds = 3 * macs_per_sample * samples_per_round / train_macs_per_second``
@@ -307,9 +295,7 @@ def available_training_memory(profile: DeviceProfile) -> tuple[int, str]:
     if profile.is_jetson:
         return profile.memory_bytes, "unified host memory (Jetson)"
     if profile.accelerator_memory_bytes is None:
-        log.debug(
-            "profile %r has no accelerator memory; using host memory", profile.name
-        )
+        log.debug("profile %r has no accelerator memory; using host memory", profile.name)
         return profile.memory_bytes, "host memory (accelerator memory unknown)"
     return profile.accelerator_memory_bytes, "accelerator memory"
 

@@ -22,7 +22,7 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The plain task loss."""
+    """Return the plain task loss (cross-entropy)."""
     return nn.functional.cross_entropy(model(x), y)
 
 
@@ -120,7 +120,7 @@ def train_model(
                     f"local loss became {loss.item()}; lower run-config 'learning-rate' "
                     f"(now {optim.learning_rate})"
                 )
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             total += float(loss.item()) * len(idx)
             count += len(idx)
@@ -157,4 +157,6 @@ def evaluate_model(
 
 def label_counts(labels: np.ndarray, num_classes: int) -> list[int]:
     """Count labels per class (0..num_classes-1)."""
-    return [int(c) for c in np.bincount(labels.astype(np.int64), minlength=num_classes)[:num_classes]]
+    return [
+        int(c) for c in np.bincount(labels.astype(np.int64), minlength=num_classes)[:num_classes]
+    ]

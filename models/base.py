@@ -73,8 +73,7 @@ def validate_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
         )
     if not all(isinstance(d, Integral) and not isinstance(d, bool) for d in shape):
         raise ValueError(
-            f"input_shape entries must be ints, got {input_shape!r}; "
-            f"pass e.g. (1, 8, 8) or (64,)."
+            f"input_shape entries must be ints, got {input_shape!r}; pass e.g. (1, 8, 8) or (64,)."
         )
     if any(int(d) < 1 for d in shape):
         raise ValueError(
@@ -235,9 +234,7 @@ class TesseraModel(nn.Module, ABC):
     num_classes: int
     head: nn.Linear
 
-    def __init__(
-        self, *, input_shape: Sequence[int], feature_dim: int, num_classes: int
-    ) -> None:
+    def __init__(self, *, input_shape: Sequence[int], feature_dim: int, num_classes: int) -> None:
         super().__init__()
         if feature_dim < 1:
             raise ValueError(f"feature_dim must be >= 1, got {feature_dim}.")
@@ -426,9 +423,7 @@ def count_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
         elif isinstance(module, nn.Linear):
             total += out * module.in_features
 
-    hooked = [
-        m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))
-    ]
+    hooked = [m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))]
     _dummy_forward(model, input_shape, hooked, hook)
     return total
 

@@ -52,17 +52,13 @@ class CNNConfig:
     def __post_init__(self) -> None:
         """Validate the table."""
         if not self.conv_channels:
-            raise ValueError(
-                "CNNConfig.conv_channels must list at least one convolution, got ()."
-            )
+            raise ValueError("CNNConfig.conv_channels must list at least one convolution, got ().")
         for field, values in (
             ("conv_channels", self.conv_channels),
             ("fc_features", self.fc_features),
         ):
             if any(v < 1 for v in values):
-                raise ValueError(
-                    f"CNNConfig.{field} entries must be positive, got {values}."
-                )
+                raise ValueError(f"CNNConfig.{field} entries must be positive, got {values}.")
 
 
 CNN_CONFIGS: Final[Mapping[str, CNNConfig]] = MappingProxyType(
@@ -101,9 +97,7 @@ class CNN(TesseraModel):
         norm_layer: NormFactory = batch_norm,
     ) -> None:
         feature_dim = (config.fc_features or config.conv_channels)[-1]
-        super().__init__(
-            input_shape=input_shape, feature_dim=feature_dim, num_classes=num_classes
-        )
+        super().__init__(input_shape=input_shape, feature_dim=feature_dim, num_classes=num_classes)
         self.config = config
         self.adapter = ImageAdapter(input_shape=self.input_shape)
         in_channels, height, width = self.adapter.output_shape
@@ -191,9 +185,7 @@ def cnn_3(
     return _build("cnn-3", input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "cnn-4", family="cnn", size_rank=3, description="3 conv(16, 32, 64) + 2 fc"
-)
+@register_model("cnn-4", family="cnn", size_rank=3, description="3 conv(16, 32, 64) + 2 fc")
 def cnn_4(
     *,
     input_shape: tuple[int, ...],
@@ -204,9 +196,7 @@ def cnn_4(
     return _build("cnn-4", input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "cnn-5", family="cnn", size_rank=4, description="3 conv(32, 64, 128) + 3 fc"
-)
+@register_model("cnn-5", family="cnn", size_rank=4, description="3 conv(32, 64, 128) + 3 fc")
 def cnn_5(
     *,
     input_shape: tuple[int, ...],

@@ -43,9 +43,7 @@ def make_divisible(value: float, divisor: int = 8, min_value: int | None = None)
     return rounded
 
 
-def conv3x3(
-    in_channels: int, out_channels: int, stride: int = 1, groups: int = 1
-) -> nn.Conv2d:
+def conv3x3(in_channels: int, out_channels: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
     """Build a bias-free 3x3 convolution with padding 1.
 
     Parameters
@@ -92,9 +90,7 @@ def conv1x1(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
     nn.Conv2d
         The convolution.
     """
-    return nn.Conv2d(
-        in_channels, out_channels, kernel_size=1, stride=stride, bias=False
-    )
+    return nn.Conv2d(in_channels, out_channels, kernel_size=1, stride=stride, bias=False)
 
 
 def init_conv_weights(module: nn.Module) -> None:

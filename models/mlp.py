@@ -59,12 +59,9 @@ class MLP(TesseraModel):
         widths = tuple(hidden)
         if not widths or min(widths) < 1:
             raise ValueError(
-                f"MLP hidden widths must be a non-empty sequence of positive ints, "
-                f"got {hidden!r}."
+                f"MLP hidden widths must be a non-empty sequence of positive ints, got {hidden!r}."
             )
-        super().__init__(
-            input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes
-        )
+        super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
         layers: list[nn.Module] = [nn.Flatten()]
         in_features = math.prod(self.input_shape)
         for width in widths:

@@ -105,18 +105,12 @@ class MobileNetV2Config:
     def __post_init__(self) -> None:
         """Validate the table."""
         if not self.width_mult > 0:
-            raise ValueError(
-                f"MobileNetV2Config.width_mult must be > 0, got {self.width_mult}."
-            )
+            raise ValueError(f"MobileNetV2Config.width_mult must be > 0, got {self.width_mult}.")
         if not self.settings:
-            raise ValueError(
-                "MobileNetV2Config.settings must list at least one section."
-            )
+            raise ValueError("MobileNetV2Config.settings must list at least one section.")
         for setting in self.settings:
             if min(setting) < 1:
-                raise ValueError(
-                    f"Every (t, c, n, s) entry must be positive, got {setting}."
-                )
+                raise ValueError(f"Every (t, c, n, s) entry must be positive, got {setting}.")
         if self.depths is not None and (
             len(self.depths) != len(self.settings) or min(self.depths) < 1
         ):
@@ -128,9 +122,7 @@ class MobileNetV2Config:
         for field in ("stem_channels", "last_channels", "stem_stride", "round_nearest"):
             value = getattr(self, field)
             if value < 1:
-                raise ValueError(
-                    f"MobileNetV2Config.{field} must be >= 1, got {value}."
-                )
+                raise ValueError(f"MobileNetV2Config.{field} must be >= 1, got {value}.")
 
     @property
     def section_depths(self) -> tuple[int, ...]:
@@ -157,9 +149,7 @@ class MobileNetV2Config:
     @property
     def feature_dim(self) -> int:
         """Channels of the last convolution, the size of the representation."""
-        return make_divisible(
-            self.last_channels * max(1.0, self.width_mult), self.round_nearest
-        )
+        return make_divisible(self.last_channels * max(1.0, self.width_mult), self.round_nearest)
 
 
 class InvertedResidual(nn.Module):
@@ -311,9 +301,7 @@ def _build(
     )
 
 
-@register_model(
-    "mobilenetv2_035", family="mobilenetv2", size_rank=0, description="width x0.35"
-)
+@register_model("mobilenetv2_035", family="mobilenetv2", size_rank=0, description="width x0.35")
 def mobilenetv2_035(
     *,
     input_shape: tuple[int, ...],
@@ -324,9 +312,7 @@ def mobilenetv2_035(
     return _build(0.35, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "mobilenetv2_050", family="mobilenetv2", size_rank=1, description="width x0.5"
-)
+@register_model("mobilenetv2_050", family="mobilenetv2", size_rank=1, description="width x0.5")
 def mobilenetv2_050(
     *,
     input_shape: tuple[int, ...],
@@ -337,9 +323,7 @@ def mobilenetv2_050(
     return _build(0.5, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "mobilenetv2_075", family="mobilenetv2", size_rank=2, description="width x0.75"
-)
+@register_model("mobilenetv2_075", family="mobilenetv2", size_rank=2, description="width x0.75")
 def mobilenetv2_075(
     *,
     input_shape: tuple[int, ...],
@@ -350,9 +334,7 @@ def mobilenetv2_075(
     return _build(0.75, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "mobilenetv2_100", family="mobilenetv2", size_rank=3, description="width x1.0"
-)
+@register_model("mobilenetv2_100", family="mobilenetv2", size_rank=3, description="width x1.0")
 def mobilenetv2_100(
     *,
     input_shape: tuple[int, ...],

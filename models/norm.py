@@ -82,9 +82,7 @@ def group_count(num_channels: int, max_groups: int = MAX_GROUPS) -> int:
         If ``num_channels`` or ``max_groups`` is smaller than 1.
     """
     if num_channels < 1:
-        raise ValueError(
-            f"num_channels must be >= 1 for group norm, got {num_channels}."
-        )
+        raise ValueError(f"num_channels must be >= 1 for group norm, got {num_channels}.")
     if max_groups < 1:
         raise ValueError(f"max_groups must be >= 1 for group norm, got {max_groups}.")
     for groups in range(min(max_groups, num_channels), 0, -1):
@@ -171,9 +169,7 @@ def get_norm(name: str) -> NormFactory:
     try:
         return _NORMS[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"Unknown norm {name!r}. Valid norms: {', '.join(_NORMS)}."
-        ) from None
+        raise ValueError(f"Unknown norm {name!r}. Valid norms: {', '.join(_NORMS)}.") from None
 
 
 class VectorNorm(nn.Module):

@@ -62,9 +62,7 @@ class PreResNetConfig:
                 f"PreResNetConfig.base_widths must be positive, got {self.base_widths}."
             )
         if not self.width_mult > 0:
-            raise ValueError(
-                f"PreResNetConfig.width_mult must be > 0, got {self.width_mult}."
-            )
+            raise ValueError(f"PreResNetConfig.width_mult must be > 0, got {self.width_mult}.")
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -159,17 +157,13 @@ class PreResNet(TesseraModel):
         norm_layer: NormFactory = batch_norm,
     ) -> None:
         widths = config.widths
-        super().__init__(
-            input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes
-        )
+        super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
         self.config = config
         self.adapter = ImageAdapter(input_shape=self.input_shape)
         self.stem = conv3x3(self.adapter.output_shape[0], widths[0])
         stages: list[nn.Module] = []
         in_channels = widths[0]
-        for index, (blocks, width) in enumerate(
-            zip(config.stage_depths, widths, strict=True)
-        ):
+        for index, (blocks, width) in enumerate(zip(config.stage_depths, widths, strict=True)):
             stage: list[nn.Module] = []
             for block in range(blocks):
                 stride = 2 if index > 0 and block == 0 else 1

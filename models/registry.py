@@ -111,8 +111,7 @@ class ModelRegistry:
         """
         if not name or not family:
             raise ValueError(
-                f"Model name and family must be non-empty, got name={name!r}, "
-                f"family={family!r}."
+                f"Model name and family must be non-empty, got name={name!r}, family={family!r}."
             )
         if size_rank < 0:
             raise ValueError(
@@ -239,9 +238,7 @@ class ModelRegistry:
         shape = validate_input_shape(input_shape)
         classes = validate_num_classes(num_classes)
         norm_layer = get_norm(norm)
-        return entry.builder(
-            input_shape=shape, num_classes=classes, norm_layer=norm_layer
-        )
+        return entry.builder(input_shape=shape, num_classes=classes, norm_layer=norm_layer)
 
 
 _REGISTRY = ModelRegistry()
@@ -274,9 +271,7 @@ def register_model(
     ValueError
         If ``name`` or ``(family, size_rank)`` is already registered.
     """
-    return _REGISTRY.register(
-        name, family=family, size_rank=size_rank, description=description
-    )
+    return _REGISTRY.register(name, family=family, size_rank=size_rank, description=description)
 
 
 def get_model(
@@ -306,9 +301,7 @@ def get_model(
     ValueError
         If the name, input shape, number of classes or norm is invalid.
     """
-    return _REGISTRY.build(
-        name, input_shape=input_shape, num_classes=num_classes, norm=norm
-    )
+    return _REGISTRY.build(name, input_shape=input_shape, num_classes=num_classes, norm=norm)
 
 
 def list_models(family: str | None = None) -> list[str]:

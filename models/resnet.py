@@ -67,9 +67,7 @@ class ResNetConfig:
                 f"block counts, got {self.stage_blocks}."
             )
         if self.base_width < 1:
-            raise ValueError(
-                f"ResNetConfig.base_width must be >= 1, got {self.base_width}."
-            )
+            raise ValueError(f"ResNetConfig.base_width must be >= 1, got {self.base_width}.")
 
     @property
     def depth(self) -> int:
@@ -161,20 +159,14 @@ class ResNet(TesseraModel):
         norm_layer: NormFactory = batch_norm,
     ) -> None:
         widths = config.widths
-        super().__init__(
-            input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes
-        )
+        super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
         self.config = config
         self.adapter = ImageAdapter(input_shape=self.input_shape)
         in_channels = self.adapter.output_shape[0]
-        self.stem = nn.Sequential(
-            conv3x3(in_channels, widths[0]), norm_layer(widths[0]), nn.ReLU()
-        )
+        self.stem = nn.Sequential(conv3x3(in_channels, widths[0]), norm_layer(widths[0]), nn.ReLU())
         stages: list[nn.Module] = []
         in_channels = widths[0]
-        for index, (blocks, width) in enumerate(
-            zip(config.stage_blocks, widths, strict=True)
-        ):
+        for index, (blocks, width) in enumerate(zip(config.stage_blocks, widths, strict=True)):
             stage: list[nn.Module] = []
             for block in range(blocks):
                 stride = 2 if index > 0 and block == 0 else 1
@@ -221,9 +213,7 @@ def _build(
     )
 
 
-@register_model(
-    "resnet10", family="resnet", size_rank=0, description="ResNet-10, blocks (1,1,1,1)"
-)
+@register_model("resnet10", family="resnet", size_rank=0, description="ResNet-10, blocks (1,1,1,1)")
 def resnet10(
     *,
     input_shape: tuple[int, ...],
@@ -234,9 +224,7 @@ def resnet10(
     return _build(10, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "resnet14", family="resnet", size_rank=1, description="ResNet-14, blocks (1,1,2,2)"
-)
+@register_model("resnet14", family="resnet", size_rank=1, description="ResNet-14, blocks (1,1,2,2)")
 def resnet14(
     *,
     input_shape: tuple[int, ...],
@@ -247,9 +235,7 @@ def resnet14(
     return _build(14, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "resnet18", family="resnet", size_rank=2, description="ResNet-18, blocks (2,2,2,2)"
-)
+@register_model("resnet18", family="resnet", size_rank=2, description="ResNet-18, blocks (2,2,2,2)")
 def resnet18(
     *,
     input_shape: tuple[int, ...],
@@ -260,9 +246,7 @@ def resnet18(
     return _build(18, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "resnet22", family="resnet", size_rank=3, description="ResNet-22, blocks (2,2,3,3)"
-)
+@register_model("resnet22", family="resnet", size_rank=3, description="ResNet-22, blocks (2,2,3,3)")
 def resnet22(
     *,
     input_shape: tuple[int, ...],
@@ -273,9 +257,7 @@ def resnet22(
     return _build(22, input_shape, num_classes, norm_layer)
 
 
-@register_model(
-    "resnet26", family="resnet", size_rank=4, description="ResNet-26, blocks (3,3,3,3)"
-)
+@register_model("resnet26", family="resnet", size_rank=4, description="ResNet-26, blocks (3,3,3,3)")
 def resnet26(
     *,
     input_shape: tuple[int, ...],

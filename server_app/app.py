@@ -29,7 +29,7 @@ def results_dir(run: RunConfig) -> Path:
 
 
 def summarise(rounds: list[dict[str, Any]], started: float) -> dict[str, Any]:
-    """Final figures of a run from its round records."""
+    """Compute a run's final figures from its round records."""
     if not rounds:
         return {"rounds": 0, "wall_seconds": time.monotonic() - started}
     last = rounds[-1]
@@ -41,8 +41,13 @@ def summarise(rounds: list[dict[str, Any]], started: float) -> dict[str, Any]:
         "final_global_accuracy": last.get("global_accuracy"),
         "final_global_accuracy_by_arch": last.get("global_accuracy_by_arch"),
         "best_personal_accuracy_mean": max(
-            (r["personal_accuracy_mean"] for r in rounds
-             if r.get("personal_accuracy_mean") is not None), default=None),
+            (
+                r["personal_accuracy_mean"]
+                for r in rounds
+                if r.get("personal_accuracy_mean") is not None
+            ),
+            default=None,
+        ),
         "archs": sorted({c["arch"] for r in rounds for c in r.get("clients", [])}),
         "bytes_up_total": sum(r.get("bytes_up_total", 0) for r in rounds),
         "bytes_down_total": sum(r.get("bytes_down_total", 0) for r in rounds),
@@ -73,19 +78,31 @@ def main(grid: Grid, context: Context) -> None:
         raise ConfigError(f"run-config 'model-family': {err}") from err
 
     bundle = load_bundle(run.dataset)
-    _, server_pool = split_server_pool(bundle, pool_fraction=run.server_pool_fraction,
-                                       seed=run.seed)
+    _, server_pool = split_server_pool(
+        bundle, pool_fraction=run.server_pool_fraction, seed=run.seed
+    )
     out_dir = results_dir(run)
     writer = ResultsWriter(out_dir)
-    log.info("Tessera: strategy %s, dataset %s (%d classes, input %s), family %s; "
-             "results in %s", run.strategy, bundle.name, bundle.num_classes,
-             bundle.input_shape, family, writer.directory)
-    env = ServerEnv(run=run, num_classes=bundle.num_classes, input_shape=bundle.input_shape,
-                    global_test=bundle.test, server_pool=server_pool, family=family)
+    log.info(
+        "Tessera: strategy %s, dataset %s (%d classes, input %s), family %s; results in %s",
+        run.strategy,
+        bundle.name,
+        bundle.num_classes,
+        bundle.input_shape,
+        family,
+        writer.directory,
+    )
+    env = ServerEnv(
+        run=run,
+        num_classes=bundle.num_classes,
+        input_shape=bundle.input_shape,
+        global_test=bundle.test,
+        server_pool=server_pool,
+        family=family,
+    )
     server = scheme.server(env=env, options=options, results=writer)
     try:
-        server.start(grid=grid, num_rounds=run.num_server_rounds,
-                     timeout=run.round_timeout)
+        server.start(grid=grid, num_rounds=run.num_server_rounds, timeout=run.round_timeout)
     finally:
         rounds: list[dict[str, Any]] = list(getattr(server, "rounds", []))
         summary = summarise(rounds, started)
@@ -97,13 +114,19 @@ def main(grid: Grid, context: Context) -> None:
         if nodes:
             ordered = sorted(nodes.values(), key=lambda i: (i.partition_id, i.node_id))
             counts = np.array([i.label_counts for i in ordered])
-            plot_label_distribution(counts, writer.directory / "label_distribution.png",
-                                    title=f"{bundle.name}: {run.partitioner} partition "
-                                          f"({len(ordered)} clients)")
-        log.info("Tessera: finished %d round(s); final personalised accuracy %s, global "
-                 "accuracy %s; results in %s", summary.get("rounds", 0),
-                 _fmt(summary.get("final_personal_accuracy_mean")),
-                 _fmt(summary.get("final_global_accuracy")), writer.directory)
+            plot_label_distribution(
+                counts,
+                writer.directory / "label_distribution.png",
+                title=f"{bundle.name}: {run.partitioner} partition ({len(ordered)} clients)",
+            )
+        log.info(
+            "Tessera: finished %d round(s); final personalised accuracy %s, global "
+            "accuracy %s; results in %s",
+            summary.get("rounds", 0),
+            _fmt(summary.get("final_personal_accuracy_mean")),
+            _fmt(summary.get("final_global_accuracy")),
+            writer.directory,
+        )
 
 
 def _fmt(value: Any) -> str:

@@ -77,7 +77,9 @@ def weighted_average(
     return out
 
 
-def mean_std(values: Sequence[float], weights: Sequence[float] | None = None) -> tuple[float, float]:
+def mean_std(
+    values: Sequence[float], weights: Sequence[float] | None = None
+) -> tuple[float, float]:
     """Return the (weighted) mean and (weighted, population) standard deviation.
 
     Parameters

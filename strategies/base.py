@@ -206,7 +206,7 @@ def parse_handshake(reply: Message, known_archs: Iterable[str]) -> NodeInfo | Re
             num_test=int(rec["num-test"]),  # type: ignore[arg-type]
             partition_id=int(rec["partition-id"]),  # type: ignore[arg-type]
             label_counts=counts,
-            profile={k[len("device-"):]: v for k, v in rec.items() if k.startswith("device-")},
+            profile={k[len("device-") :]: v for k, v in rec.items() if k.startswith("device-")},
         )
     except (KeyError, TypeError, ValueError) as err:
         return Rejection(node_id, f"handshake profile is malformed: {err}")
@@ -271,7 +271,7 @@ class HeteroStrategy(Strategy):
         return {k: v.copy() for k, v in self._templates[arch].items()}
 
     def array_spec(self, arch: str) -> ArraySpec:
-        """Expected names, shapes and dtypes of ``arch``'s arrays."""
+        """Return the expected names, shapes and dtypes of ``arch``'s arrays."""
         return {k: (tuple(v.shape), str(v.dtype)) for k, v in self.initial_arrays(arch).items()}
 
     # ------------------------------------------------------------------- hooks
@@ -283,21 +283,23 @@ class HeteroStrategy(Strategy):
         return {node_id: info.arch for node_id, info in nodes.items()}
 
     def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
-        """Records sent to one node this round; the base sends only the config."""
+        """Build the records sent to one node this round (the base: only the config)."""
         return RecordDict({wire.CONFIG: self.train_config(server_round, node_id, arch)})
 
     def train_config(self, server_round: int, node_id: int, arch: str) -> ConfigRecord:
-        """The ``config`` record: round, scheme and the node's architecture."""
-        return ConfigRecord({
-            "server-round": server_round,
-            "scheme": self.name,
-            "arch": arch,
-            "num-classes": self.env.num_classes,
-            "input-shape": list(self.env.input_shape),
-        })
+        """Build the ``config`` record: round, scheme, architecture and task shape."""
+        return ConfigRecord(
+            {
+                "server-round": server_round,
+                "scheme": self.name,
+                "arch": arch,
+                "num-classes": self.env.num_classes,
+                "input-shape": list(self.env.input_shape),
+            }
+        )
 
     def reply_schema(self, node_id: int, arch: str) -> ReplySchema:
-        """What this node's reply must contain."""
+        """Return what this node's reply must contain."""
         return ReplySchema(arrays=self.array_spec(arch) if self.sends_weights else None)
 
     def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
@@ -341,8 +343,12 @@ class HeteroStrategy(Strategy):
                 bytes_down=self._round_bytes_down,
             )
             if isinstance(checked, Rejection):
-                log.warning("round %d: rejected reply from node %d: %s",
-                            server_round, checked.node_id, checked.reason)
+                log.warning(
+                    "round %d: rejected reply from node %d: %s",
+                    server_round,
+                    checked.node_id,
+                    checked.reason,
+                )
                 rejected.append(checked)
             else:
                 accepted.append(checked)
@@ -351,11 +357,13 @@ class HeteroStrategy(Strategy):
         self.rounds.append(record)
         if self.results is not None:
             self.results.append_round(record)
-        metrics = MetricRecord({
-            "num-ok": len(accepted),
-            "num-rejected": len(rejected),
-            "personal-accuracy": float(record["personal_accuracy_mean"] or 0.0),
-        })
+        metrics = MetricRecord(
+            {
+                "num-ok": len(accepted),
+                "num-rejected": len(rejected),
+                "personal-accuracy": float(record["personal_accuracy_mean"] or 0.0),
+            }
+        )
         return None, metrics
 
     def configure_evaluate(
@@ -372,12 +380,16 @@ class HeteroStrategy(Strategy):
 
     def summary(self) -> None:
         """Log the scheme's configuration."""
-        log.info("scheme %s on family %s, %d round(s), round-timeout %gs",
-                 self.name, self.env.family, self.env.run.num_server_rounds,
-                 self.env.run.round_timeout)
+        log.info(
+            "scheme %s on family %s, %d round(s), round-timeout %gs",
+            self.name,
+            self.env.family,
+            self.env.run.num_server_rounds,
+            self.env.run.round_timeout,
+        )
 
     # ------------------------------------------------------------ round loop
-    def start(  # noqa: D417 - signature kept compatible with Strategy.start
+    def start(
         self,
         grid: Grid,
         initial_arrays: ArrayRecord | None = None,
@@ -404,15 +416,15 @@ class HeteroStrategy(Strategy):
             Flower's result object (per-round train metrics).
         """
         self.summary()
-        wait_for_nodes(grid, min_nodes=self.env.run.min_nodes,
-                       timeout=self.env.run.node_wait_timeout)
+        wait_for_nodes(
+            grid, min_nodes=self.env.run.min_nodes, timeout=self.env.run.node_wait_timeout
+        )
         result = Result()
         log.info(TABLE_HEADER)
         for server_round in range(1, num_rounds + 1):
             self._round_started = time.monotonic()
             self._refresh_nodes(grid, timeout)
-            messages = list(self.configure_train(
-                server_round, ArrayRecord(), ConfigRecord(), grid))
+            messages = list(self.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
             outcome = exchange(grid, messages, timeout=timeout)
             self._round_missing = outcome.missing
             self._round_bytes_down = outcome.bytes_down
@@ -433,8 +445,12 @@ class HeteroStrategy(Strategy):
         if new:
             content = RecordDict({wire.CONFIG: ConfigRecord({"server-round": 0})})
             msgs = [
-                Message(content=content, dst_node_id=n, message_type=wire.HANDSHAKE,
-                        ttl=max(timeout, 60.0))
+                Message(
+                    content=content,
+                    dst_node_id=n,
+                    message_type=wire.HANDSHAKE,
+                    ttl=max(timeout, 60.0),
+                )
                 for n in new
             ]
             outcome = exchange(grid, msgs, timeout=timeout)
@@ -447,12 +463,17 @@ class HeteroStrategy(Strategy):
                     log.warning("handshake: node %d rejected: %s", info.node_id, info.reason)
                     self._handshake_rejections.append(info)
                     continue
-                log.info("node %d (partition %d): profile '%s', %g cores, %.0f MiB, %s -> "
-                         "%s%s", info.node_id, info.partition_id, info.profile.get("name"),
-                         float(info.profile.get("cpu-cores", 0)),
-                         float(info.profile.get("memory-bytes", 0)) / 2**20,
-                         info.profile.get("accelerator"), info.arch,
-                         "" if info.arch_fits else " (nothing fits: smallest)")
+                log.info(
+                    "node %d (partition %d): profile '%s', %g cores, %.0f MiB, %s -> %s%s",
+                    info.node_id,
+                    info.partition_id,
+                    info.profile.get("name"),
+                    float(info.profile.get("cpu-cores", 0)),
+                    float(info.profile.get("memory-bytes", 0)) / 2**20,
+                    info.profile.get("accelerator"),
+                    info.arch,
+                    "" if info.arch_fits else " (nothing fits: smallest)",
+                )
                 self.nodes[info.node_id] = info
         for gone in set(self.nodes) - connected:
             log.warning("node %d disconnected; it is left out until it returns", gone)
@@ -462,13 +483,14 @@ class HeteroStrategy(Strategy):
         for n, a in assignment.items():
             if a is None and n not in self.excluded:
                 self.excluded[n] = "cannot train the shared architecture"
-                log.warning("node %d is left out: its device cannot train the shared "
-                            "architecture", n)
+                log.warning(
+                    "node %d is left out: its device cannot train the shared architecture", n
+                )
         if new and self.results is not None:
             self.results.write_config(self.config_document())
 
     def config_document(self) -> dict[str, Any]:
-        """The content of ``config.json``."""
+        """Return the content of ``config.json``."""
         return {
             "run_config": self.env.run.to_dict(),
             "scheme": self.name,
@@ -495,8 +517,9 @@ class HeteroStrategy(Strategy):
         for arch, arrays in self.global_models().items():
             model = self.build_model(arch)
             model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
-            _, acc = evaluate_model(model, self.env.global_test, batch_size=256,
-                                    device=torch.device("cpu"))
+            _, acc = evaluate_model(
+                model, self.env.global_test, batch_size=256, device=torch.device("cpu")
+            )
             out[arch] = acc
         return out
 
@@ -507,23 +530,25 @@ class HeteroStrategy(Strategy):
         rejected: Sequence[Rejection],
         extra: Mapping[str, Any],
     ) -> dict[str, Any]:
-        clients = []
+        clients: list[dict[str, Any]] = []
         for rep in sorted(accepted, key=lambda r: r.node_id):
             info = self.nodes.get(rep.node_id)
-            clients.append({
-                "node": rep.node_id,
-                "partition_id": info.partition_id if info else None,
-                "profile": info.profile.get("name") if info else None,
-                "arch": rep.arch,
-                "num_examples": rep.num_examples,
-                "train_loss": rep.metrics[wire.TRAIN_LOSS],
-                "test_accuracy": rep.metrics[wire.TEST_ACCURACY],
-                "test_loss": rep.metrics[wire.TEST_LOSS],
-                "num_test_examples": int(rep.metrics[wire.NUM_TEST_EXAMPLES]),
-                "bytes_up": rep.bytes_up,
-                "bytes_down": rep.bytes_down,
-                "train_seconds": rep.metrics[wire.TRAIN_SECONDS],
-            })
+            clients.append(
+                {
+                    "node": rep.node_id,
+                    "partition_id": info.partition_id if info else None,
+                    "profile": info.profile.get("name") if info else None,
+                    "arch": rep.arch,
+                    "num_examples": rep.num_examples,
+                    "train_loss": rep.metrics[wire.TRAIN_LOSS],
+                    "test_accuracy": rep.metrics[wire.TEST_ACCURACY],
+                    "test_loss": rep.metrics[wire.TEST_LOSS],
+                    "num_test_examples": int(rep.metrics[wire.NUM_TEST_EXAMPLES]),
+                    "bytes_up": rep.bytes_up,
+                    "bytes_down": rep.bytes_down,
+                    "train_seconds": rep.metrics[wire.TRAIN_SECONDS],
+                }
+            )
         accs = [c["test_accuracy"] for c in clients if c["num_test_examples"] > 0]
         mean, std = mean_std(accs)
         by_arch: dict[str, list[float]] = defaultdict(list)

@@ -44,7 +44,7 @@ class ClientAlgorithm:
         self.options = options
 
     def arch_for(self, config: ConfigRecord) -> str:
-        """The architecture to train this round (the server names it)."""
+        """Return the architecture to train this round (the server names it)."""
         if "arch" not in config:
             raise ConfigError(
                 "the train message's config names no 'arch'; the server and this "
@@ -53,10 +53,10 @@ class ClientAlgorithm:
         return str(config["arch"])
 
     def begin_round(self, model: nn.Module, content: RecordDict) -> None:
-        """Called after the model is loaded and before local training."""
+        """Prepare the round, after the model is loaded and before local training."""
 
     def loss_fn(self) -> LossFn:
-        """The local objective for one minibatch."""
+        """Return the local objective for one minibatch."""
         return cross_entropy_loss
 
     def extra_records(

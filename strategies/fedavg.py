@@ -97,26 +97,31 @@ class FedAvgStrategy(HeteroStrategy):
         return {"shared_arch": self.shared_arch}
 
     def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
-        """The one global model."""
+        """Return the one global model."""
         if self.shared_arch is None or self.global_arrays is None:
             return {}
         return {self.shared_arch: self.global_arrays}
 
     def describe(self) -> dict[str, Any]:
         """Options and the architecture chosen."""
-        return {"fedavg-arch": self.options.arch, "fedavg-exclude-unfit":
-                self.options.exclude_unfit, "shared_arch": self.shared_arch}
+        return {
+            "fedavg-arch": self.options.arch,
+            "fedavg-exclude-unfit": self.options.exclude_unfit,
+            "shared_arch": self.shared_arch,
+        }
 
 
 class FedAvgClient(ClientAlgorithm):
     """Cross-entropy training of the received global model."""
 
 
-SCHEME = register_scheme(Scheme(
-    name="fedavg",
-    server=FedAvgStrategy,
-    client=FedAvgClient,
-    parse_options=FedAvgOptions.parse,
-    default_family="cnn",
-    description="FedAvg on one shared architecture (weakest device's, or forced)",
-))
+SCHEME = register_scheme(
+    Scheme(
+        name="fedavg",
+        server=FedAvgStrategy,
+        client=FedAvgClient,
+        parse_options=FedAvgOptions.parse,
+        default_family="cnn",
+        description="FedAvg on one shared architecture (weakest device's, or forced)",
+    )
+)

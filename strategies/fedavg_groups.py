@@ -51,11 +51,13 @@ class FedAvgGroupsStrategy(HeteroStrategy):
         return dict(self.group_arrays)
 
 
-SCHEME = register_scheme(Scheme(
-    name="fedavg-groups",
-    server=FedAvgGroupsStrategy,
-    client=ClientAlgorithm,
-    parse_options=no_options,
-    default_family="cnn",
-    description="FedAvg within each architecture group, nothing shared across groups",
-))
+SCHEME = register_scheme(
+    Scheme(
+        name="fedavg-groups",
+        server=FedAvgGroupsStrategy,
+        client=ClientAlgorithm,
+        parse_options=no_options,
+        default_family="cnn",
+        description="FedAvg within each architecture group, nothing shared across groups",
+    )
+)

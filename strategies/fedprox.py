@@ -80,21 +80,24 @@ class FedProxClient(FedAvgClient):
 
     def loss_fn(self) -> LossFn:
         """``CE + mu/2 * ||w - w_global||^2``."""
-        mu = self.options.proximal_mu
+        mu = float(self.options.proximal_mu)
         anchor = self._anchor
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             task = nn.functional.cross_entropy(model(x), y)
-            return task + 0.5 * mu * proximal_term(model, anchor)
+            total: torch.Tensor = task + 0.5 * mu * proximal_term(model, anchor)
+            return total
 
         return loss
 
 
-SCHEME = register_scheme(Scheme(
-    name="fedprox",
-    server=FedProxStrategy,
-    client=FedProxClient,
-    parse_options=FedProxOptions.parse,
-    default_family="cnn",
-    description="FedProx (FedAvg + proximal term) on one shared architecture",
-))
+SCHEME = register_scheme(
+    Scheme(
+        name="fedprox",
+        server=FedProxStrategy,
+        client=FedProxClient,
+        parse_options=FedProxOptions.parse,
+        default_family="cnn",
+        description="FedProx (FedAvg + proximal term) on one shared architecture",
+    )
+)

@@ -44,7 +44,7 @@ class FlowerFedAvgOptions:
         if arch is None:
             raise ConfigError(
                 "strategy 'flwr-fedavg' needs run-config 'fedavg-arch', e.g. "
-                '--run-config "fedavg-arch=\'cnn-3\'"'
+                "--run-config \"fedavg-arch='cnn-3'\""
             )
         return cls(arch=arch)
 
@@ -61,10 +61,17 @@ class _RecordingFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         self.last_clients = [
-            {"node": int(m.metadata.src_node_id),
-             **{k: float(v) for k, v in m.content.metric_records[wire.METRICS].items()},
-             "bytes_up": wire.payload_bytes(m.content)}
-            for m in replies if m.has_content() and wire.METRICS in m.content.metric_records
+            {
+                "node": int(m.metadata.src_node_id),
+                **{
+                    k: float(v)
+                    for k, v in m.content.metric_records[wire.METRICS].items()
+                    if isinstance(v, (int, float))
+                },
+                "bytes_up": wire.payload_bytes(m.content),
+            }
+            for m in replies
+            if m.has_content() and wire.METRICS in m.content.metric_records
         ]
         return super().aggregate_train(server_round, replies)
 
@@ -74,8 +81,9 @@ class FlowerFedAvgRunner:
 
     name = "flwr-fedavg"
 
-    def __init__(self, *, env: ServerEnv, options: FlowerFedAvgOptions,
-                 results: ResultsWriter | None) -> None:
+    def __init__(
+        self, *, env: ServerEnv, options: FlowerFedAvgOptions, results: ResultsWriter | None
+    ) -> None:
         self.env = env
         self.options = options
         self.results = results
@@ -85,42 +93,65 @@ class FlowerFedAvgRunner:
         from models import get_model
 
         torch.manual_seed(self.env.run.seed)
-        return get_model(self.options.arch, input_shape=self.env.input_shape,
-                         num_classes=self.env.num_classes, norm=self.env.run.norm)
+        return get_model(
+            self.options.arch,
+            input_shape=self.env.input_shape,
+            num_classes=self.env.num_classes,
+            norm=self.env.run.norm,
+        )
 
-    def start(self, grid: Grid, *args: Any, num_rounds: int = 3,
-              timeout: float = 3600, **kwargs: Any) -> Result:
+    def start(
+        self, grid: Grid, *args: Any, num_rounds: int = 3, timeout: float = 3600, **kwargs: Any
+    ) -> Result:
         """Run Flower's loop for ``num_rounds`` rounds."""
-        nodes = wait_for_nodes(grid, min_nodes=self.env.run.min_nodes,
-                               timeout=self.env.run.node_wait_timeout)
-        strategy = _RecordingFedAvg(min_available_nodes=len(nodes),
-                                    min_train_nodes=len(nodes),
-                                    min_evaluate_nodes=len(nodes))
+        nodes = wait_for_nodes(
+            grid, min_nodes=self.env.run.min_nodes, timeout=self.env.run.node_wait_timeout
+        )
+        strategy = _RecordingFedAvg(
+            min_available_nodes=len(nodes),
+            min_train_nodes=len(nodes),
+            min_evaluate_nodes=len(nodes),
+        )
         initial = wire.state_to_record(self._model().state_dict())
         if self.results is not None:
-            self.results.write_config({"run_config": self.env.run.to_dict(),
-                                       "scheme": self.name, "arch": self.options.arch,
-                                       "nodes": nodes})
+            self.results.write_config(
+                {
+                    "run_config": self.env.run.to_dict(),
+                    "scheme": self.name,
+                    "arch": self.options.arch,
+                    "nodes": nodes,
+                }
+            )
         marks = [time.monotonic()]
 
         def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             model = self._model()
             model.load_state_dict(arrays.to_torch_state_dict())
-            _, acc = evaluate_model(model, self.env.global_test, batch_size=256,
-                                    device=torch.device("cpu"))
+            _, acc = evaluate_model(
+                model, self.env.global_test, batch_size=256, device=torch.device("cpu")
+            )
             if server_round > 0:
                 now = time.monotonic()
                 clients = strategy.last_clients
                 slowest = max((c.get(wire.TRAIN_SECONDS, 0.0) for c in clients), default=0.0)
                 record = {
-                    "round": server_round, "strategy": self.name,
-                    "clients": [{"node": c["node"], "arch": self.options.arch,
-                                 "num_examples": int(c[wire.NUM_EXAMPLES]),
-                                 "train_loss": c.get(wire.TRAIN_LOSS),
-                                 "train_seconds": c.get(wire.TRAIN_SECONDS),
-                                 "bytes_up": c["bytes_up"]} for c in clients],
-                    "num_sent": len(nodes), "num_ok": len(clients),
-                    "num_rejected": 0, "num_failed": len(nodes) - len(clients),
+                    "round": server_round,
+                    "strategy": self.name,
+                    "clients": [
+                        {
+                            "node": c["node"],
+                            "arch": self.options.arch,
+                            "num_examples": int(c[wire.NUM_EXAMPLES]),
+                            "train_loss": c.get(wire.TRAIN_LOSS),
+                            "train_seconds": c.get(wire.TRAIN_SECONDS),
+                            "bytes_up": c["bytes_up"],
+                        }
+                        for c in clients
+                    ],
+                    "num_sent": len(nodes),
+                    "num_ok": len(clients),
+                    "num_rejected": 0,
+                    "num_failed": len(nodes) - len(clients),
                     "global_accuracy": acc,
                     "bytes_up_total": sum(c["bytes_up"] for c in clients),
                     "bytes_down_total": 0,
@@ -136,24 +167,32 @@ class FlowerFedAvgRunner:
                 marks[-1] = time.monotonic()
             return MetricRecord({"accuracy": acc})
 
-        return strategy.start(grid=grid, initial_arrays=initial, num_rounds=num_rounds,
-                              timeout=timeout, train_config=ConfigRecord(),
-                              evaluate_config=ConfigRecord(), evaluate_fn=evaluate_fn)
+        return strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=ConfigRecord(),
+            evaluate_config=ConfigRecord(),
+            evaluate_fn=evaluate_fn,
+        )
 
 
 class FlowerFedAvgClient(ClientAlgorithm):
     """Trains ``fedavg-arch``; Flower's messages name no architecture."""
 
     def arch_for(self, config: ConfigRecord) -> str:
-        """The architecture from ``fedavg-arch``."""
+        """Return the architecture named by ``fedavg-arch``."""
         return str(self.options.arch)
 
 
-SCHEME = register_scheme(Scheme(
-    name="flwr-fedavg",
-    server=FlowerFedAvgRunner,
-    client=FlowerFedAvgClient,
-    parse_options=FlowerFedAvgOptions.parse,
-    default_family="cnn",
-    description="reference: Flower's built-in FedAvg and round loop (benchmark yardstick)",
-))
+SCHEME = register_scheme(
+    Scheme(
+        name="flwr-fedavg",
+        server=FlowerFedAvgRunner,
+        client=FlowerFedAvgClient,
+        parse_options=FlowerFedAvgOptions.parse,
+        default_family="cnn",
+        description="reference: Flower's built-in FedAvg and round loop (benchmark yardstick)",
+    )
+)

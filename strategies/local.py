@@ -21,11 +21,13 @@ class LocalClient(ClientAlgorithm):
     sends_weights = False
 
 
-SCHEME = register_scheme(Scheme(
-    name="local",
-    server=LocalStrategy,
-    client=LocalClient,
-    parse_options=no_options,
-    default_family="cnn",
-    description="each client trains alone on its own architecture (no communication)",
-))
+SCHEME = register_scheme(
+    Scheme(
+        name="local",
+        server=LocalStrategy,
+        client=LocalClient,
+        parse_options=no_options,
+        default_family="cnn",
+        description="each client trains alone on its own architecture (no communication)",
+    )
+)

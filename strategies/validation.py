@@ -114,7 +114,7 @@ def check_arrays(record: ArrayRecord, expected: ArraySpec) -> str | dict[str, np
             return f"array '{key}' has dtype {arr.dtype}, expected {dtype}"
         try:
             value = arr.numpy()
-        except Exception as err:  # noqa: BLE001 - any decoding failure rejects
+        except Exception as err:
             return f"array '{key}' cannot be decoded: {err}"
         if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
             return f"array '{key}' has non-finite values"

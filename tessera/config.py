@@ -202,40 +202,90 @@ class RunConfig:
 
     def validate(self) -> None:
         """Check ranges; raise :class:`ConfigError` naming the key and the fix."""
-        _require(self.num_server_rounds >= 1, "num-server-rounds",
-                 self.num_server_rounds, "use 1 or more rounds")
-        _require(self.partitioner in PARTITIONERS, "partitioner", self.partitioner,
-                 f"use one of {', '.join(PARTITIONERS)}")
-        _require(self.dirichlet_alpha > 0, "dirichlet-alpha", self.dirichlet_alpha,
-                 "use a positive concentration, e.g. 0.5")
-        _require(self.classes_per_client >= 1, "classes-per-client",
-                 self.classes_per_client, "use 1 or more classes per client")
-        _require(0.0 < self.server_pool_fraction < 0.9, "server-pool-fraction",
-                 self.server_pool_fraction, "use a fraction in (0, 0.9), e.g. 0.1")
-        _require(0.0 <= self.local_test_fraction < 0.9, "local-test-fraction",
-                 self.local_test_fraction, "use a fraction in [0, 0.9), e.g. 0.2")
-        _require(self.local_epochs >= 1, "local-epochs", self.local_epochs,
-                 "use 1 or more local epochs")
-        _require(self.batch_size >= 1, "batch-size", self.batch_size,
-                 "use a positive batch size")
-        _require(self.learning_rate > 0, "learning-rate", self.learning_rate,
-                 "use a positive learning rate, e.g. 0.05")
-        _require(0.0 <= self.momentum < 1.0, "momentum", self.momentum,
-                 "use a momentum in [0, 1)")
-        _require(self.weight_decay >= 0, "weight-decay", self.weight_decay,
-                 "use a non-negative weight decay")
-        _require(self.round_timeout > 0, "round-timeout", self.round_timeout,
-                 "use a positive number of seconds")
-        _require(self.min_nodes >= 1, "min-nodes", self.min_nodes,
-                 "use 1 or more nodes")
-        _require(self.node_wait_timeout > 0, "node-wait-timeout",
-                 self.node_wait_timeout, "use a positive number of seconds")
-        _require(self.train_time_budget > 0, "train-time-budget",
-                 self.train_time_budget, "use a positive number of seconds")
-        _require(0.0 < self.memory_fraction <= 1.0, "memory-fraction",
-                 self.memory_fraction, "use a fraction in (0, 1]")
-        _require(bool(self.output_dir.strip()), "output-dir", self.output_dir,
-                 "name a folder, e.g. results")
+        _require(
+            self.num_server_rounds >= 1,
+            "num-server-rounds",
+            self.num_server_rounds,
+            "use 1 or more rounds",
+        )
+        _require(
+            self.partitioner in PARTITIONERS,
+            "partitioner",
+            self.partitioner,
+            f"use one of {', '.join(PARTITIONERS)}",
+        )
+        _require(
+            self.dirichlet_alpha > 0,
+            "dirichlet-alpha",
+            self.dirichlet_alpha,
+            "use a positive concentration, e.g. 0.5",
+        )
+        _require(
+            self.classes_per_client >= 1,
+            "classes-per-client",
+            self.classes_per_client,
+            "use 1 or more classes per client",
+        )
+        _require(
+            0.0 < self.server_pool_fraction < 0.9,
+            "server-pool-fraction",
+            self.server_pool_fraction,
+            "use a fraction in (0, 0.9), e.g. 0.1",
+        )
+        _require(
+            0.0 <= self.local_test_fraction < 0.9,
+            "local-test-fraction",
+            self.local_test_fraction,
+            "use a fraction in [0, 0.9), e.g. 0.2",
+        )
+        _require(
+            self.local_epochs >= 1, "local-epochs", self.local_epochs, "use 1 or more local epochs"
+        )
+        _require(self.batch_size >= 1, "batch-size", self.batch_size, "use a positive batch size")
+        _require(
+            self.learning_rate > 0,
+            "learning-rate",
+            self.learning_rate,
+            "use a positive learning rate, e.g. 0.05",
+        )
+        _require(0.0 <= self.momentum < 1.0, "momentum", self.momentum, "use a momentum in [0, 1)")
+        _require(
+            self.weight_decay >= 0,
+            "weight-decay",
+            self.weight_decay,
+            "use a non-negative weight decay",
+        )
+        _require(
+            self.round_timeout > 0,
+            "round-timeout",
+            self.round_timeout,
+            "use a positive number of seconds",
+        )
+        _require(self.min_nodes >= 1, "min-nodes", self.min_nodes, "use 1 or more nodes")
+        _require(
+            self.node_wait_timeout > 0,
+            "node-wait-timeout",
+            self.node_wait_timeout,
+            "use a positive number of seconds",
+        )
+        _require(
+            self.train_time_budget > 0,
+            "train-time-budget",
+            self.train_time_budget,
+            "use a positive number of seconds",
+        )
+        _require(
+            0.0 < self.memory_fraction <= 1.0,
+            "memory-fraction",
+            self.memory_fraction,
+            "use a fraction in (0, 1]",
+        )
+        _require(
+            bool(self.output_dir.strip()),
+            "output-dir",
+            self.output_dir,
+            "name a folder, e.g. results",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-safe dict with the kebab-case keys."""
@@ -286,7 +336,7 @@ class NodeConfig:
                 raise ConfigError(
                     "node-config needs either 'partition-id' and 'num-partitions' "
                     "or 'data-path'; start the SuperNode with e.g. --node-config "
-                    "\"partition-id=0 num-partitions=3\""
+                    '"partition-id=0 num-partitions=3"'
                 )
             if nparts < 1 or not 0 <= pid < nparts:
                 raise ConfigError(

@@ -227,9 +227,7 @@ class DatasetSpec:
     def __post_init__(self) -> None:
         """Check the kind and that npz/hf specs carry a target."""
         if self.kind not in ("digits", "npz", "hf"):
-            raise DataError(
-                f"dataset kind {self.kind!r} is unknown; use 'digits', 'npz' or 'hf'"
-            )
+            raise DataError(f"dataset kind {self.kind!r} is unknown; use 'digits', 'npz' or 'hf'")
         if self.kind != "digits" and not self.target:
             raise DataError(
                 f"dataset spec '{self.kind}:' has no {self.kind} target; write "
@@ -283,18 +281,14 @@ class PartitionConfig:
     def __post_init__(self) -> None:
         """Validate every field."""
         if self.scheme not in SCHEMES:
-            raise DataError(
-                f"partition scheme {self.scheme!r} is unknown; use one of {SCHEMES}"
-            )
+            raise DataError(f"partition scheme {self.scheme!r} is unknown; use one of {SCHEMES}")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise DataError(
                 f"dirichlet alpha={self.alpha!r} must be a finite number > 0; "
                 "e.g. 0.1 (very skewed) to 100 (close to iid)"
             )
         if self.classes_per_client < 1:
-            raise DataError(
-                f"classes_per_client={self.classes_per_client} must be >= 1"
-            )
+            raise DataError(f"classes_per_client={self.classes_per_client} must be >= 1")
         if self.seed < 0:
             raise DataError(f"seed={self.seed} must be >= 0")
         if self.min_partition_size < 1:
@@ -400,9 +394,7 @@ class FederationData:
 # --------------------------------------------------------------------------- #
 
 
-def validate_labels(
-    y: npt.ArrayLike, num_classes: int, *, what: str = "labels"
-) -> IntArray:
+def validate_labels(y: npt.ArrayLike, num_classes: int, *, what: str = "labels") -> IntArray:
     """Check that labels are integers in ``[0, num_classes)``.
 
     Parameters
@@ -492,8 +484,7 @@ def _as_samples(x: np.ndarray, *, what: str) -> FloatArray:
             )
     else:
         raise DataError(
-            f"{what} have dtype {x.dtype}; samples must be numeric (uint8 images "
-            "or float features)"
+            f"{what} have dtype {x.dtype}; samples must be numeric (uint8 images or float features)"
         )
     if values.ndim == 2:
         pass
@@ -516,9 +507,7 @@ def _as_samples(x: np.ndarray, *, what: str) -> FloatArray:
             "(N, H, W, C) or (N, C, H, W) images"
         )
     if not np.isfinite(values).all():
-        raise DataError(
-            f"{what} contain NaN or infinite values; clean or impute them first"
-        )
+        raise DataError(f"{what} contain NaN or infinite values; clean or impute them first")
     return np.ascontiguousarray(values, dtype=np.float32)
 
 
@@ -528,17 +517,14 @@ def _split_arrays(
     """Convert one split's arrays and check they are non-empty and aligned."""
     if x_raw.ndim == 0 or x_raw.shape[0] == 0:
         raise DataError(
-            f"{what} samples are empty (shape {x_raw.shape}); every split needs at "
-            "least one sample"
+            f"{what} samples are empty (shape {x_raw.shape}); every split needs at least one sample"
         )
     if y_raw.ndim == 0 or y_raw.shape[0] != x_raw.shape[0]:
         raise DataError(
             f"{what}: {x_raw.shape[0] if x_raw.ndim else 0} samples but labels of "
             f"shape {y_raw.shape}; x and y must have the same length"
         )
-    return _as_samples(x_raw, what=f"{what} samples"), _as_labels(
-        y_raw, what=f"{what} labels"
-    )
+    return _as_samples(x_raw, what=f"{what} samples"), _as_labels(y_raw, what=f"{what} labels")
 
 
 # --------------------------------------------------------------------------- #
@@ -678,9 +664,7 @@ def _load_npz_bundle(path: Path, *, name: str) -> DataBundle:
     x_train, y_train = _split_arrays(
         arrays["x_train"], arrays["y_train"], what=f"{path.name} train"
     )
-    x_test, y_test = _split_arrays(
-        arrays["x_test"], arrays["y_test"], what=f"{path.name} test"
-    )
+    x_test, y_test = _split_arrays(arrays["x_test"], arrays["y_test"], what=f"{path.name} test")
     return _bundle_from_arrays(x_train, y_train, x_test, y_test, name=name)
 
 
@@ -735,9 +719,7 @@ def detect_hf_columns(features: datasets.Features) -> tuple[str, str]:
     """
     image_col = next((c for c in HF_IMAGE_COLUMNS if c in features), None)
     if image_col is None:
-        image_col = next(
-            (c for c, f in features.items() if isinstance(f, datasets.Image)), None
-        )
+        image_col = next((c for c, f in features.items() if isinstance(f, datasets.Image)), None)
     label_col = next((c for c in HF_LABEL_COLUMNS if c in features), None)
     if label_col is None:
         label_col = next(
@@ -755,9 +737,7 @@ def detect_hf_columns(features: datasets.Features) -> tuple[str, str]:
     return image_col, label_col
 
 
-def arrays_from_hf(
-    split: datasets.Dataset, *, what: str = "split"
-) -> tuple[FloatArray, IntArray]:
+def arrays_from_hf(split: datasets.Dataset, *, what: str = "split") -> tuple[FloatArray, IntArray]:
     """Convert a Hugging Face image-classification split to arrays.
 
     Parameters
@@ -792,9 +772,7 @@ def arrays_from_hf(
     return _split_arrays(images, np.asarray(columns[label_col]), what=what)
 
 
-def bundle_from_hf(
-    train: datasets.Dataset, test: datasets.Dataset, *, name: str
-) -> DataBundle:
+def bundle_from_hf(train: datasets.Dataset, test: datasets.Dataset, *, name: str) -> DataBundle:
     """Build a bundle from Hugging Face train and test splits.
 
     Parameters
@@ -819,12 +797,8 @@ def bundle_from_hf(
     x_test, y_test = arrays_from_hf(test, what=f"{name} test")
     _, label_col = detect_hf_columns(train.features)
     feature = train.features[label_col]
-    num_classes = (
-        int(feature.num_classes) if isinstance(feature, datasets.ClassLabel) else None
-    )
-    return _bundle_from_arrays(
-        x_train, y_train, x_test, y_test, name=name, num_classes=num_classes
-    )
+    num_classes = int(feature.num_classes) if isinstance(feature, datasets.ClassLabel) else None
+    return _bundle_from_arrays(x_train, y_train, x_test, y_test, name=name, num_classes=num_classes)
 
 
 def _load_hf_bundle(dataset_id: str, *, name: str) -> DataBundle:
@@ -904,9 +878,7 @@ def local_data(
         arrays["x_train"], arrays["y_train"], what=f"{file.name} train"
     )
     if all(has_test):
-        x_test, y_test = _split_arrays(
-            arrays["x_test"], arrays["y_test"], what=f"{file.name} test"
-        )
+        x_test, y_test = _split_arrays(arrays["x_test"], arrays["y_test"], what=f"{file.name} test")
         if x_test.shape[1:] != x_train.shape[1:]:
             raise DataError(
                 f"data file {path!r}: train samples have shape {x_train.shape[1:]} "
@@ -922,9 +894,7 @@ def local_data(
     if all(has_test):
         test = ArrayDataset(x=x_test, y=y_test)
     else:
-        train_idx, test_idx = split_local(
-            y_train, test_fraction=test_fraction, seed=seed
-        )
+        train_idx, test_idx = split_local(y_train, test_fraction=test_fraction, seed=seed)
         train, test = train.subset(train_idx), train.subset(test_idx)
     return train, test, num_classes, train.input_shape
 
@@ -939,9 +909,7 @@ def _check_fraction(value: float, *, name: str) -> None:
         raise DataError(f"{name}={value!r} must be in [0, 1); e.g. 0.1")
 
 
-def _two_way_split(
-    labels: IntArray, n_second: int, seed: int
-) -> tuple[IntArray, IntArray]:
+def _two_way_split(labels: IntArray, n_second: int, seed: int) -> tuple[IntArray, IntArray]:
     """Split ``arange(len(labels))`` into two sorted index sets.
 
     Stratified by label when every class can appear on both sides, otherwise a
@@ -957,9 +925,7 @@ def _two_way_split(
         )
     except ValueError:
         logger.debug("stratified split of %d samples impossible; splitting randomly", n)
-        first, second = train_test_split(
-            everything, test_size=n_second, random_state=seed
-        )
+        first, second = train_test_split(everything, test_size=n_second, random_state=seed)
     return np.sort(first).astype(np.int64), np.sort(second).astype(np.int64)
 
 
@@ -1113,9 +1079,7 @@ def _run_partitioner(
     *,
     min_partition_size: int,
 ) -> list[IntArray]:
-    partitioner = _make_partitioner(
-        num_partitions, config, min_partition_size=min_partition_size
-    )
+    partitioner = _make_partitioner(num_partitions, config, min_partition_size=min_partition_size)
     partitioner.dataset = dataset
     parts = []
     for pid in range(num_partitions):
@@ -1175,9 +1139,7 @@ def partition_indices(
             f"{num_present} classes present in the client pool; use at most "
             f"{num_present}"
         )
-    dataset = datasets.Dataset.from_dict(
-        {"label": y, "idx": np.arange(n, dtype=np.int64)}
-    )
+    dataset = datasets.Dataset.from_dict({"label": y, "idx": np.arange(n, dtype=np.int64)})
     if config.scheme == "iid":
         dataset = dataset.shuffle(seed=config.seed)
     with _warnings_to_log():
@@ -1216,9 +1178,7 @@ def _partition_failure(
     # Redraw once without the size constraint (same seed, so the same first draw)
     # to name the partition that ended up too small.
     with _warnings_to_log():
-        first_draw = _run_partitioner(
-            dataset, num_partitions, config, min_partition_size=0
-        )
+        first_draw = _run_partitioner(dataset, num_partitions, config, min_partition_size=0)
     sizes = [int(p.shape[0]) for p in first_draw]
     pid = int(np.argmin(sizes))
     return DataError(
@@ -1230,9 +1190,7 @@ def _partition_failure(
     )
 
 
-def label_counts(
-    labels: npt.ArrayLike, partitions: list[IntArray], num_classes: int
-) -> IntArray:
+def label_counts(labels: npt.ArrayLike, partitions: list[IntArray], num_classes: int) -> IntArray:
     """Count labels per partition.
 
     Parameters
@@ -1294,9 +1252,7 @@ def federation_data(
     client_pool, server_pool = split_server_pool(
         bundle, pool_fraction=pool_fraction, seed=partition.seed
     )
-    parts = partition_indices(
-        client_pool.y, num_partitions=num_partitions, config=partition
-    )
+    parts = partition_indices(client_pool.y, num_partitions=num_partitions, config=partition)
     counts = label_counts(client_pool.y, parts, bundle.num_classes)
     logger.info(
         "%s: %d partitions (%s), sizes %s, server pool %d, global test %d",
@@ -1370,12 +1326,8 @@ def client_data(
         )
     _check_fraction(test_fraction, name="test_fraction")
     bundle = _as_bundle(source)
-    client_pool, _ = split_server_pool(
-        bundle, pool_fraction=pool_fraction, seed=partition.seed
-    )
-    parts = partition_indices(
-        client_pool.y, num_partitions=num_partitions, config=partition
-    )
+    client_pool, _ = split_server_pool(bundle, pool_fraction=pool_fraction, seed=partition.seed)
+    parts = partition_indices(client_pool.y, num_partitions=num_partitions, config=partition)
     own = client_pool.subset(parts[partition_id])
     train_idx, test_idx = split_local(
         own.y,
@@ -1390,9 +1342,7 @@ def client_data(
 # --------------------------------------------------------------------------- #
 
 
-def plot_label_distribution(
-    label_counts: npt.ArrayLike, path: Path, *, title: str
-) -> None:
+def plot_label_distribution(label_counts: npt.ArrayLike, path: Path, *, title: str) -> None:
     """Write a stacked horizontal bar chart of labels per client as PNG.
 
     One bar per client, one colour per class. Up to 20 classes get a legend;

@@ -30,8 +30,11 @@ def load_run(directory: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dic
         )
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    rounds = [json.loads(line) for line in
-              (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rounds = [
+        json.loads(line)
+        for line in (directory / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     summary_path = directory / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return config, rounds, summary
@@ -50,14 +53,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {err}", file=sys.stderr)
         return 1
     expected = int(config.get("run_config", {}).get("num-server-rounds", len(rounds)))
-    print(f"\nTessera run {directory.name}: strategy {config.get('scheme', '?')}, "
-          f"dataset {config.get('run_config', {}).get('dataset', '?')}")
+    print(
+        f"\nTessera run {directory.name}: strategy {config.get('scheme', '?')}, "
+        f"dataset {config.get('run_config', {}).get('dataset', '?')}"
+    )
     for node in config.get("nodes", []):
         if isinstance(node, dict):
             profile = node.get("profile", {})
-            print(f"  node {node['node']} (partition {node['partition_id']}): "
-                  f"profile {profile.get('name')}, {node['num_train']} train samples "
-                  f"-> {node['arch']}")
+            print(
+                f"  node {node['node']} (partition {node['partition_id']}): "
+                f"profile {profile.get('name')}, {node['num_train']} train samples "
+                f"-> {node['arch']}"
+            )
     print(TABLE_HEADER)
     for record in rounds:
         print(format_round_row(record, expected))
@@ -66,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  final personalised accuracy on {arch}: {acc:.3f}")
     print(f"results, plots and logs: {directory.resolve()}")
     if not summary or len(rounds) < expected:
-        print(f"report: the run is incomplete ({len(rounds)} of {expected} rounds, "
-              f"summary.json {'present' if summary else 'missing'})", file=sys.stderr)
+        print(
+            f"report: the run is incomplete ({len(rounds)} of {expected} rounds, "
+            f"summary.json {'present' if summary else 'missing'})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

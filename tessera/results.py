@@ -81,8 +81,10 @@ class ResultsWriter:
 
     def write_config(self, config: Mapping[str, Any]) -> None:
         """Write ``config.json`` (atomically)."""
-        _write_atomic(self.directory / "config.json", json.dumps(
-            _clean(dict(config)), default=_json_default, indent=2))
+        _write_atomic(
+            self.directory / "config.json",
+            json.dumps(_clean(dict(config)), default=_json_default, indent=2),
+        )
 
     def append_round(self, record: Mapping[str, Any]) -> None:
         """Append one round to ``metrics.jsonl`` and flush it to disk."""
@@ -94,8 +96,10 @@ class ResultsWriter:
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json`` (atomically)."""
-        _write_atomic(self.directory / "summary.json", json.dumps(
-            _clean(dict(summary)), default=_json_default, indent=2))
+        _write_atomic(
+            self.directory / "summary.json",
+            json.dumps(_clean(dict(summary)), default=_json_default, indent=2),
+        )
 
     def plot_rounds(self) -> list[Path]:
         """Plot accuracy and bytes per round from the rounds written so far."""
@@ -180,7 +184,11 @@ def _nan(value: Any) -> float:
 def format_round_row(record: Mapping[str, Any], num_rounds: int) -> str:
     """One line of the per-round results table printed to the terminal."""
     glob = record.get("global_accuracy")
-    glob_s = "   -  " if glob is None or (isinstance(glob, float) and math.isnan(glob)) else f"{glob:6.3f}"
+    glob_s = (
+        "   -  "
+        if glob is None or (isinstance(glob, float) and math.isnan(glob))
+        else f"{glob:6.3f}"
+    )
     mean = record.get("personal_accuracy_mean")
     std = record.get("personal_accuracy_std")
     pers = "      -      " if mean is None or math.isnan(mean) else f"{mean:6.3f}±{std:5.3f}"

@@ -183,9 +183,7 @@ def test_npz_channels_last_rgb_is_transposed(tmp_path: Path) -> None:
 
 def test_npz_channels_first_is_kept(tmp_path: Path) -> None:
     x = np.zeros((3, 3, 16, 16), dtype=np.float32)
-    path = _save_npz(
-        tmp_path / "c.npz", x_train=x, y_train=[0, 1, 2], x_test=x, y_test=[0, 1, 2]
-    )
+    path = _save_npz(tmp_path / "c.npz", x_train=x, y_train=[0, 1, 2], x_test=x, y_test=[0, 1, 2])
     assert load_bundle(f"npz:{path}").input_shape == (3, 16, 16)
 
 
@@ -220,9 +218,7 @@ def test_npz_errors_name_the_bad_value(
 ) -> None:
     # Prepare
     arrays = {**_GOOD, **changes}
-    path = _save_npz(
-        tmp_path / "bad.npz", **{k: v for k, v in arrays.items() if v is not None}
-    )
+    path = _save_npz(tmp_path / "bad.npz", **{k: v for k, v in arrays.items() if v is not None})
 
     # Execute / Assert
     with pytest.raises(DataError, match=expected):
@@ -252,9 +248,7 @@ def test_array_dataset_rejects_bad_dtypes_and_lengths() -> None:
     with pytest.raises(DataError, match="float32"):
         ArrayDataset(x=np.zeros((2, 3)), y=np.zeros(2, dtype=np.int64))
     with pytest.raises(DataError, match=r"y has shape \(3,\)|y must have shape"):
-        ArrayDataset(
-            x=np.zeros((2, 3), dtype=np.float32), y=np.zeros(3, dtype=np.int64)
-        )
+        ArrayDataset(x=np.zeros((2, 3), dtype=np.float32), y=np.zeros(3, dtype=np.int64))
 
 
 # --------------------------------------------------------------------------- #
@@ -265,9 +259,7 @@ def test_array_dataset_rejects_bad_dtypes_and_lengths() -> None:
 def test_iid_partitions_are_balanced() -> None:
     labels = np.arange(42) % 3
 
-    parts = partition_indices(
-        labels, num_partitions=4, config=PartitionConfig("iid", seed=3)
-    )
+    parts = partition_indices(labels, num_partitions=4, config=PartitionConfig("iid", seed=3))
 
     assert sorted(len(p) for p in parts) == [10, 10, 11, 11]
 
@@ -308,9 +300,7 @@ def test_dirichlet_is_deterministic_per_seed() -> None:
         PartitionConfig("iid"),
         PartitionConfig("dirichlet", alpha=0.3),
         PartitionConfig("pathological", classes_per_client=2),
-        PartitionConfig(
-            "pathological", classes_per_client=3, class_assignment="random"
-        ),
+        PartitionConfig("pathological", classes_per_client=3, class_assignment="random"),
     ],
 )
 def test_partitions_are_disjoint_and_cover_the_pool(config: PartitionConfig) -> None:
@@ -333,9 +323,7 @@ def test_dirichlet_with_empty_partitions_raises_naming_a_partition() -> None:
 
 def test_more_partitions_than_samples_raises() -> None:
     with pytest.raises(DataError, match=r"num_partitions=11 exceeds the 10 samples"):
-        partition_indices(
-            np.zeros(10), num_partitions=11, config=PartitionConfig("iid")
-        )
+        partition_indices(np.zeros(10), num_partitions=11, config=PartitionConfig("iid"))
 
 
 def test_more_classes_per_client_than_classes_raises() -> None:
@@ -515,17 +503,13 @@ def test_partitions_match_across_processes() -> None:
 def test_local_data_with_and_without_test_split(tmp_path: Path) -> None:
     x = np.random.default_rng(0).integers(0, 256, size=(20, 8, 8), dtype=np.uint8)
     y = np.arange(20) % 4
-    with_test = _save_npz(
-        tmp_path / "a.npz", x_train=x, y_train=y, x_test=x[:3], y_test=y[:3]
-    )
+    with_test = _save_npz(tmp_path / "a.npz", x_train=x, y_train=y, x_test=x[:3], y_test=y[:3])
     without = _save_npz(tmp_path / "b.npz", x_train=x, y_train=y)
 
     train, test, num_classes, shape = local_data(with_test, test_fraction=0.2, seed=0)
     assert (len(train), len(test), num_classes, shape) == (20, 3, 4, (1, 8, 8))
 
-    train, test, num_classes, _ = local_data(
-        without, test_fraction=0.2, seed=0, num_classes=10
-    )
+    train, test, num_classes, _ = local_data(without, test_fraction=0.2, seed=0, num_classes=10)
     assert (len(train), len(test), num_classes) == (16, 4, 10)
     assert sorted(test.y.tolist()) == [0, 1, 2, 3]  # stratified
 
@@ -549,9 +533,7 @@ def test_local_data_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("shape", [(10, 10), (4, 30)])
-def test_plot_label_distribution_writes_png(
-    tmp_path: Path, shape: tuple[int, int]
-) -> None:
+def test_plot_label_distribution_writes_png(tmp_path: Path, shape: tuple[int, int]) -> None:
     counts = np.random.default_rng(0).integers(0, 20, size=shape)
     path = tmp_path / "sub" / "labels.png"
 
@@ -581,20 +563,13 @@ def _hf_split(
 ) -> datasets.Dataset:
     rng = np.random.default_rng(n)
     shape = (6, 5, 3) if mode == "RGB" else (6, 5)
-    images = [
-        Image.fromarray(rng.integers(0, 256, size=shape, dtype=np.uint8))
-        for _ in range(n)
-    ]
+    images = [Image.fromarray(rng.integers(0, 256, size=shape, dtype=np.uint8)) for _ in range(n)]
     label_feature = (
-        datasets.ClassLabel(names=["a", "b", "c", "d"])
-        if class_label
-        else datasets.Value("int64")
+        datasets.ClassLabel(names=["a", "b", "c", "d"]) if class_label else datasets.Value("int64")
     )
     return datasets.Dataset.from_dict(
         {image_col: images, label_col: [i % 3 for i in range(n)]},
-        features=datasets.Features(
-            {image_col: datasets.Image(), label_col: label_feature}
-        ),
+        features=datasets.Features({image_col: datasets.Image(), label_col: label_feature}),
     )
 
 
@@ -607,9 +582,7 @@ def _hf_split(
     ],
 )
 def test_detect_hf_columns(image_col: str, label_col: str, class_label: bool) -> None:
-    split = _hf_split(
-        3, image_col=image_col, label_col=label_col, class_label=class_label
-    )
+    split = _hf_split(3, image_col=image_col, label_col=label_col, class_label=class_label)
     assert detect_hf_columns(split.features) == (image_col, label_col)
 
 
@@ -635,9 +608,7 @@ def test_arrays_from_hf_rejects_mixed_sizes() -> None:
     images = [Image.new("L", (4, 4)), Image.new("L", (5, 4))]
     split = datasets.Dataset.from_dict(
         {"image": images, "label": [0, 1]},
-        features=datasets.Features(
-            {"image": datasets.Image(), "label": datasets.Value("int64")}
-        ),
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
     )
     with pytest.raises(DataError, match="differ in size"):
         arrays_from_hf(split)

@@ -121,9 +121,7 @@ def test_effective_cpu_count_honours_quota() -> None:
 def test_read_host_memory_prefers_mem_available(tmp_path: Path) -> None:
     # Prepare
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text(
-        "MemTotal:       2048 kB\nMemFree: 100 kB\nMemAvailable:   1024 kB\n"
-    )
+    meminfo.write_text("MemTotal:       2048 kB\nMemFree: 100 kB\nMemAvailable:   1024 kB\n")
 
     # Execute / Assert
     assert read_host_memory(meminfo) == 1024 * 1024
@@ -199,16 +197,9 @@ def test_predefined_profile_figures() -> None:
     assert orin.accelerator_memory_bytes == orin.memory_bytes == 8 * GiB
     assert server.accelerator == "cuda" and not server.is_jetson
     assert server.accelerator_memory_bytes == 80 * GiB
-    speeds = [
-        p.train_macs_per_second
-        for p in (small, predefined_profile("cpu-medium"), large)
-    ]
+    speeds = [p.train_macs_per_second for p in (small, predefined_profile("cpu-medium"), large)]
     assert speeds == sorted(speeds)
-    assert (
-        server.train_macs_per_second
-        > orin.train_macs_per_second
-        > large.train_macs_per_second
-    )
+    assert server.train_macs_per_second > orin.train_macs_per_second > large.train_macs_per_second
 
 
 def test_unknown_profile_raises_listing_names() -> None:
@@ -320,9 +311,7 @@ def test_node_config_beats_sim_profiles() -> None:
 )
 def test_sim_profiles_round_robin(partition_id: int, expected: str) -> None:
     # Execute
-    profile = resolve_profile(
-        None, ["cpu-small", "cpu-large", "jetson-orin"], partition_id
-    )
+    profile = resolve_profile(None, ["cpu-small", "cpu-large", "jetson-orin"], partition_id)
 
     # Assert
     assert profile.name == expected
@@ -405,9 +394,7 @@ def test_probe_device_memory_is_min_of_meminfo_and_cgroup(tmp_path: Path) -> Non
     meminfo.write_text("MemTotal: 4096 kB\nMemAvailable: 2048 kB\n")
 
     # Execute
-    profile = probe_device(
-        cgroup_root=CGROUP / "v1-limited", meminfo=meminfo, benchmark=False
-    )
+    profile = probe_device(cgroup_root=CGROUP / "v1-limited", meminfo=meminfo, benchmark=False)
 
     # Assert
     assert profile.memory_bytes == 2048 * 1024

@@ -309,9 +309,7 @@ NORM_MODELS = ["cnn-3", "resnet10", "preresnet10_050", "mobilenetv2_035", "mlp-m
 def test_every_norm_builds_and_runs(name: str, norm: str) -> None:
     # Prepare
     model = get_model(name, input_shape=(1, 8, 8), num_classes=NUM_CLASSES, norm=norm)
-    norms = [
-        m for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm))
-    ]
+    norms = [m for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm))]
 
     # Execute
     out = model(torch.randn(4, 1, 8, 8))
@@ -332,12 +330,8 @@ def test_every_norm_builds_and_runs(name: str, norm: str) -> None:
 @pytest.mark.parametrize("name", ["cnn-3", "resnet10", "mlp-m"])
 def test_static_batch_norm_same_output_in_train_and_eval(name: str) -> None:
     # Prepare
-    static = get_model(
-        name, input_shape=(1, 8, 8), num_classes=NUM_CLASSES, norm="static-batch"
-    )
-    running = get_model(
-        name, input_shape=(1, 8, 8), num_classes=NUM_CLASSES, norm="batch"
-    )
+    static = get_model(name, input_shape=(1, 8, 8), num_classes=NUM_CLASSES, norm="static-batch")
+    running = get_model(name, input_shape=(1, 8, 8), num_classes=NUM_CLASSES, norm="batch")
     x = torch.randn(5, 1, 8, 8) * 3 + 1
 
     # Execute
@@ -467,12 +461,9 @@ def test_counting_works_with_static_batch_norm_at_1x1() -> None:
 
 @pytest.mark.parametrize("input_shape", [(1, 8, 8), (3, 32, 32)], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sizes_strictly_increase_within_family(
-    family: str, input_shape: tuple[int, ...]
-) -> None:
+def test_sizes_strictly_increase_within_family(family: str, input_shape: tuple[int, ...]) -> None:
     built = [
-        get_model(n, input_shape=input_shape, num_classes=NUM_CLASSES)
-        for n in list_models(family)
+        get_model(n, input_shape=input_shape, num_classes=NUM_CLASSES) for n in list_models(family)
     ]
 
     params = [count_parameters(m) for m in built]
@@ -488,12 +479,8 @@ def test_sizes_strictly_increase_within_family(
 @pytest.mark.parametrize("depth", sorted(RESNET_STAGE_BLOCKS))
 def test_resnet_depth_table(depth: int) -> None:
     config = ResNetConfig(stage_blocks=RESNET_STAGE_BLOCKS[depth])
-    model = get_model(
-        f"resnet{depth}", input_shape=(3, 32, 32), num_classes=NUM_CLASSES
-    )
-    weight_layers = [
-        m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))
-    ]
+    model = get_model(f"resnet{depth}", input_shape=(3, 32, 32), num_classes=NUM_CLASSES)
+    weight_layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     shortcuts = len(config.stage_blocks) - 1  # one 1x1 projection per later stage
 
     assert config.depth == depth
@@ -534,9 +521,7 @@ def test_mobilenetv2_depths_override_table() -> None:
     config = MobileNetV2Config(width_mult=0.5, depths=(1, 1, 1, 1, 1, 1, 1))
     model = models.MobileNetV2(config=config, input_shape=(1, 8, 8), num_classes=3)
 
-    blocks = [
-        m for m in model.modules() if isinstance(m, models.mobilenetv2.InvertedResidual)
-    ]
+    blocks = [m for m in model.modules() if isinstance(m, models.mobilenetv2.InvertedResidual)]
     assert len(blocks) == 7
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 3)
 

@@ -69,9 +69,7 @@ MEMORY = {
     "large": 909_286_400,
 }
 
-WORKLOAD = Workload(
-    samples_per_round=5000, batch_size=32, input_shape=(3, 32, 32), num_classes=10
-)
+WORKLOAD = Workload(samples_per_round=5000, batch_size=32, input_shape=(3, 32, 32), num_classes=10)
 TEN_MINUTES = Budget(max_round_seconds=600.0)
 
 CPU_SMALL = predefined_profile("cpu-small")  # 2e8 MAC/s, 512 MiB -> 256 MiB budget
@@ -105,9 +103,7 @@ def test_estimate_training_memory_scales_activations_with_batch() -> None:
     batch_64 = replace(WORKLOAD, batch_size=64)
 
     # Execute
-    delta = estimate_training_memory(tiny, batch_64) - estimate_training_memory(
-        tiny, WORKLOAD
-    )
+    delta = estimate_training_memory(tiny, batch_64) - estimate_training_memory(tiny, WORKLOAD)
 
     # Assert: 50_000 activations * 32 more samples * 4 bytes * 3
     assert delta == 19_200_000
@@ -127,9 +123,7 @@ def test_estimate_round_seconds_by_hand(
     candidate: CandidateCost, profile: DeviceProfile, expected: float
 ) -> None:
     # Execute / Assert
-    assert estimate_round_seconds(candidate, WORKLOAD, profile) == pytest.approx(
-        expected
-    )
+    assert estimate_round_seconds(candidate, WORKLOAD, profile) == pytest.approx(expected)
 
 
 # --- choose_architecture: the table -------------------------------------------
@@ -216,9 +210,7 @@ def test_choose_architecture_table(
     assert choice.candidates_considered == len(FAMILY)
     chosen = next(c for c in FAMILY if c.name == expected)
     assert choice.estimated_memory_bytes == estimate_training_memory(chosen, workload)
-    assert choice.estimated_round_seconds == estimate_round_seconds(
-        chosen, workload, profile
-    )
+    assert choice.estimated_round_seconds == estimate_round_seconds(chosen, workload, profile)
 
 
 def test_nothing_fits_time_reason_says_by_how_much(
@@ -305,9 +297,7 @@ def test_empty_candidates_raise() -> None:
     "extra",
     [
         CandidateCost("tiny", 9, params=1, macs_per_sample=1, activations_per_sample=1),
-        CandidateCost(
-            "other", 0, params=1, macs_per_sample=1, activations_per_sample=1
-        ),
+        CandidateCost("other", 0, params=1, macs_per_sample=1, activations_per_sample=1),
     ],
     ids=["duplicate-name", "duplicate-rank"],
 )
@@ -329,21 +319,15 @@ def test_duplicate_candidates_raise(extra: CandidateCost) -> None:
         lambda: Workload(
             samples_per_round=10, batch_size=0, input_shape=(3, 32, 32), num_classes=10
         ),
-        lambda: Workload(
-            samples_per_round=10, batch_size=32, input_shape=(), num_classes=10
-        ),
+        lambda: Workload(samples_per_round=10, batch_size=32, input_shape=(), num_classes=10),
         lambda: Workload(
             samples_per_round=10, batch_size=32, input_shape=(3, 0, 32), num_classes=10
         ),
         lambda: Workload(
             samples_per_round=10, batch_size=32, input_shape=(3, 32, 32), num_classes=1
         ),
-        lambda: CandidateCost(
-            "x", 0, params=0, macs_per_sample=1, activations_per_sample=1
-        ),
-        lambda: CandidateCost(
-            "", 0, params=1, macs_per_sample=1, activations_per_sample=1
-        ),
+        lambda: CandidateCost("x", 0, params=0, macs_per_sample=1, activations_per_sample=1),
+        lambda: CandidateCost("", 0, params=1, macs_per_sample=1, activations_per_sample=1),
     ],
 )
 def test_invalid_inputs_raise_value_error(build: object) -> None:

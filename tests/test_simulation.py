@@ -14,9 +14,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_simulation(tmp_path: Path, run_config: str, nodes: int = 3) -> Path:
     out = tmp_path / "results"
     proc = subprocess.run(
-        ["bash", "scripts/simulate.sh", "--nodes", str(nodes), "--run-name", "e2e",
-         "--output-dir", str(out), "--run-config", run_config],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            "bash",
+            "scripts/simulate.sh",
+            "--nodes",
+            str(nodes),
+            "--run-name",
+            "e2e",
+            "--output-dir",
+            str(out),
+            "--run-config",
+            run_config,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
         env={**__import__("os").environ, "FLWR_HOME_SIM": str(tmp_path / "flwr-home")},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -28,8 +41,10 @@ def _run_simulation(tmp_path: Path, run_config: str, nodes: int = 3) -> Path:
 @pytest.mark.slow
 def test_fedavg_groups_simulation_picks_different_architectures(tmp_path: Path) -> None:
     # Prepare
-    run_config = ("strategy='fedavg-groups' num-server-rounds=2 local-epochs=1 "
-                  "sim-device-profiles='cpu-small,cpu-large,jetson-orin'")
+    run_config = (
+        "strategy='fedavg-groups' num-server-rounds=2 local-epochs=1 "
+        "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
+    )
     # Execute
     result = _run_simulation(tmp_path, run_config)
     # Assert

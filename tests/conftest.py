@@ -1,0 +1,253 @@
+"""Shared fixtures: the real run-config defaults, Flower contexts and a fake grid.
+
+The fake grid stands in for Flower's SuperLink: it delivers each message to an
+in-process ClientApp handler (the real ``client_app.app`` functions) and hands back
+the reply with the metadata Flower would set, so a strategy's round loop runs
+without a SuperLink, SuperNodes or Ray.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tomllib
+from flwr.app import Array, Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.serverapp import Grid
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+Handler = Callable[[Message, Context], Message]
+ReplyHook = Callable[[Message], Message | None]
+
+
+def load_default_run_config() -> dict[str, Any]:
+    """The ``[tool.flwr.app.config]`` table of pyproject.toml (the real defaults)."""
+    with (REPO_ROOT / "pyproject.toml").open("rb") as fh:
+        table = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    return dict(table)
+
+
+@pytest.fixture(scope="session")
+def default_run_config() -> dict[str, Any]:
+    """The run-config defaults; copy before changing."""
+    return load_default_run_config()
+
+
+@pytest.fixture
+def run_config(default_run_config: dict[str, Any]) -> Callable[..., dict[str, Any]]:
+    """Build a run config from the defaults plus kebab-case overrides.
+
+    Usage: ``run_config({"strategy": "local", "local-epochs": 1})``.
+    """
+
+    def build(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        config = dict(default_run_config)
+        config.update(overrides or {})
+        return config
+
+    return build
+
+
+def make_context(
+    node_id: int,
+    run_config: Mapping[str, Any],
+    node_config: Mapping[str, Any],
+) -> Context:
+    """A ClientApp context as a SuperNode would build it."""
+    return Context(
+        run_id=1,
+        node_id=node_id,
+        node_config=dict(node_config),
+        state=RecordDict(),
+        run_config=dict(run_config),
+    )
+
+
+def instruction(content: RecordDict, *, dst_node_id: int, message_type: str) -> Message:
+    """A server message after the SuperLink accepted it (ids set as Flower does)."""
+    msg = Message(content, dst_node_id=dst_node_id, message_type=message_type, ttl=60.0)
+    stamp_pushed(msg)
+    return msg
+
+
+def stamp_pushed(msg: Message) -> None:
+    """Set what ``InMemoryGrid.push_messages`` sets on an instruction message."""
+    msg.metadata.__dict__["_run_id"] = 1
+    msg.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+    msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+
+
+def client_handlers() -> dict[str, Handler]:
+    """The real ClientApp handlers by message type."""
+    from client_app.app import evaluate, handshake, train
+    from tessera import wire
+
+    return {wire.HANDSHAKE: handshake, "train": train, "evaluate": evaluate}
+
+
+class FakeGrid(Grid):
+    """A grid that routes every message to an in-process ClientApp handler.
+
+    Parameters
+    ----------
+    contexts : Mapping[int, Context]
+        One context per connected node (node id -> context).
+    handlers : Mapping[str, Handler], optional
+        Handler per message type; the real ClientApp handlers by default.
+
+    Attributes
+    ----------
+    silent : set[tuple[int, str]]
+        ``(node, message type)`` pairs that never get a reply.
+    tamper : dict[int, ReplyHook]
+        Per node, a function that may replace the node's train reply.
+    sent : list[Message]
+        Every pushed message, in order.
+    replies : list[Message]
+        Every reply handed to the server, in order (after tampering).
+    """
+
+    def __init__(
+        self,
+        contexts: Mapping[int, Context],
+        handlers: Mapping[str, Handler] | None = None,
+    ) -> None:
+        self.contexts = dict(contexts)
+        self.handlers = dict(handlers) if handlers is not None else client_handlers()
+        self.silent: set[tuple[int, str]] = set()
+        self.tamper: dict[int, ReplyHook] = {}
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+        self._inbox: dict[str, Message] = {}
+
+    # Grid interface ---------------------------------------------------------
+    @property
+    def run(self) -> Any:
+        return None
+
+    def set_run(self, run_id: int) -> None:
+        return None
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            stamp_pushed(msg)
+            assert msg.metadata.reply_to_message_id == ""
+            assert msg.metadata.ttl > 0
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            kind = msg.metadata.message_type
+            ids.append(msg.metadata.message_id)
+            if (node, kind) in self.silent or node not in self.contexts:
+                continue
+            reply = self._handle(msg)
+            if kind == "train" and node in self.tamper:
+                reply = self.tamper[node](reply) or reply
+            self._inbox[msg.metadata.message_id] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        out = [self._inbox.pop(mid) for mid in list(message_ids) if mid in self._inbox]
+        self.replies.extend(out)
+        return out
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return list(self.pull_messages(self.push_messages(messages)))
+
+    # helpers ----------------------------------------------------------------
+    def _handle(self, msg: Message) -> Message:
+        node = msg.metadata.dst_node_id
+        handler = self.handlers[msg.metadata.message_type]
+        try:
+            return handler(msg, self.contexts[node])
+        except Exception as err:
+            error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}")
+            return Message(error, reply_to=msg)
+
+    def replies_of(self, message_type: str) -> list[Message]:
+        """Replies of one message type, in arrival order."""
+        return [r for r in self.replies if r.metadata.message_type == message_type]
+
+    def sent_of(self, message_type: str) -> list[Message]:
+        """Pushed messages of one message type, in order."""
+        return [m for m in self.sent if m.metadata.message_type == message_type]
+
+
+def nan_first_float_array(reply: Message) -> Message:
+    """Replace the first floating-point array of a train reply by NaNs (in place)."""
+    from tessera import wire
+
+    arrays = reply.content.array_records[wire.ARRAYS]
+    for key in list(arrays):
+        value = arrays[key].numpy()
+        if np.issubdtype(value.dtype, np.floating):
+            arrays[key] = Array(np.full_like(value, np.nan))
+            return reply
+    raise AssertionError("the reply has no floating-point array to corrupt")
+
+
+@pytest.fixture(scope="session")
+def digits_bundle() -> Any:
+    """The digits dataset, loaded once."""
+    from tessera.data import load_bundle
+
+    return load_bundle("digits")
+
+
+@pytest.fixture(scope="session")
+def _candidate_cost_cache() -> dict[tuple[Any, ...], Any]:
+    return {}
+
+
+@pytest.fixture
+def fast_clients(
+    monkeypatch: pytest.MonkeyPatch,
+    digits_bundle: Any,
+    _candidate_cost_cache: dict[tuple[Any, ...], Any],
+) -> None:
+    """Serve the ClientApp's two slow pure look-ups from a per-session cache.
+
+    ``load_bundle("digits")`` and ``candidate_costs`` (which builds every model of a
+    family) give the same result on every call; caching them keeps the handshake and
+    train handlers fast without changing what they compute.
+    """
+    import client_app.app
+    import client_app.selection
+
+    real_load = client_app.app.load_bundle
+    real_costs = client_app.selection.candidate_costs
+
+    def load_bundle(spec: Any) -> Any:
+        return digits_bundle if spec == "digits" else real_load(spec)
+
+    def candidate_costs(
+        family: str, input_shape: Any, num_classes: int, *, norm: str = "batch"
+    ) -> Any:
+        key = (family, tuple(input_shape), num_classes, norm)
+        if key not in _candidate_cost_cache:
+            _candidate_cost_cache[key] = real_costs(family, input_shape, num_classes, norm=norm)
+        return _candidate_cost_cache[key]
+
+    monkeypatch.setattr(client_app.app, "load_bundle", load_bundle)
+    monkeypatch.setattr(client_app.selection, "candidate_costs", candidate_costs)
