@@ -125,6 +125,7 @@ def plot_rounds(rounds: Sequence[Mapping[str, Any]], directory: Path) -> list[Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not rounds:
         return []
@@ -135,7 +136,7 @@ def plot_rounds(rounds: Sequence[Mapping[str, Any]], directory: Path) -> list[Pa
     mean = np.array([_nan(r.get("personal_accuracy_mean")) for r in rounds])
     std = np.array([_nan(r.get("personal_accuracy_std")) for r in rounds])
     ax.plot(xs, mean, marker="o", label="personalised (mean over clients)")
-    ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+    ax.fill_between(xs, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1), alpha=0.2)
     glob = [_nan(r.get("global_accuracy")) for r in rounds]
     if not all(math.isnan(g) for g in glob):
         ax.plot(xs, glob, marker="s", label="global model(s) on the server test set")
@@ -146,6 +147,7 @@ def plot_rounds(rounds: Sequence[Mapping[str, Any]], directory: Path) -> list[Pa
             accs = [c["test_accuracy"] for c in r.get("clients", []) if c["arch"] == arch]
             per.append(float(np.mean(accs)) if accs else math.nan)
         ax.plot(xs, per, linestyle="--", alpha=0.7, label=f"clients on {arch}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0.0, 1.0)
@@ -164,6 +166,7 @@ def plot_rounds(rounds: Sequence[Mapping[str, Any]], directory: Path) -> list[Pa
     width = 0.4
     ax.bar([x - width / 2 for x in xs], up, width=width, label="upload (clients to server)")
     ax.bar([x + width / 2 for x in xs], down, width=width, label="download (server to clients)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("MB per round (all clients)")
     ax.grid(alpha=0.3, axis="y")
@@ -182,24 +185,26 @@ def _nan(value: Any) -> float:
 
 
 def format_round_row(record: Mapping[str, Any], num_rounds: int) -> str:
-    """One line of the per-round results table printed to the terminal."""
+    """Format one line of the per-round results table printed to the terminal."""
     glob = record.get("global_accuracy")
-    glob_s = (
-        "   -  "
-        if glob is None or (isinstance(glob, float) and math.isnan(glob))
-        else f"{glob:6.3f}"
-    )
+    glob_s = "-" if glob is None or (isinstance(glob, float) and math.isnan(glob)) else f"{glob:.3f}"
     mean = record.get("personal_accuracy_mean")
-    std = record.get("personal_accuracy_std")
-    pers = "      -      " if mean is None or math.isnan(mean) else f"{mean:6.3f}±{std:5.3f}"
-    return (
-        f"| {record['round']:>3}/{num_rounds:<3} | {record['num_ok']:>2}/{record['num_sent']:<2} "
-        f"| {record['num_rejected']:>3} | {record['num_failed']:>3} | {pers} | {glob_s} "
-        f"| {record['bytes_up_total'] / 1e6:8.3f} | {record['bytes_down_total'] / 1e6:8.3f} "
-        f"| {record['round_seconds']:7.2f} |"
-    )
+    std = record.get("personal_accuracy_std") or 0.0
+    pers = "-" if mean is None or math.isnan(mean) else f"{mean:.3f}±{std:.3f}"
+    cells = [
+        f"{record['round']}/{num_rounds}".rjust(7),
+        f"{record['num_ok']}/{record['num_sent']}".rjust(7),
+        str(record["num_rejected"]).rjust(3),
+        str(record["num_failed"]).rjust(4),
+        pers.rjust(14),
+        glob_s.rjust(6),
+        f"{record['bytes_up_total'] / 1e6:.3f}".rjust(8),
+        f"{record['bytes_down_total'] / 1e6:.3f}".rjust(8),
+        f"{record['round_seconds']:.2f}".rjust(7),
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 TABLE_HEADER = (
-    "| round   | ok/sent | rej | fail | pers. acc ±std | global | up MB    | down MB  | seconds |"
+    "|   round | ok/sent | rej | fail | pers. acc ±std | global |    up MB |  down MB | seconds |"
 )

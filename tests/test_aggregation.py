@@ -140,7 +140,7 @@ def test_extra_key_in_later_contribution_raises() -> None:
 
 
 @pytest.mark.xfail(
-    reason="BUG: strategies/aggregation.py:72 checks keys only inside the loop over the "
+    reason="BUG: strategies/aggregation.py:62 checks keys only inside the loop over the "
     "first contribution's keys, so a first contribution with no arrays makes every "
     "other contribution's keys go unchecked and {} is returned",
     strict=True,
@@ -272,7 +272,7 @@ def test_mean_std_bad_weights_raise(weights: list[float]) -> None:
 
 
 @pytest.mark.xfail(
-    reason="BUG: strategies/aggregation.py:98 mean_std only checks w.sum() > 0, so a "
+    reason="BUG: strategies/aggregation.py:101 mean_std only checks w.sum() > 0, so a "
     "negative weight passes (here it returns mean -1.0 for values in [0, 1]) although "
     "the docstring and the error message require non-negative weights",
     strict=True,

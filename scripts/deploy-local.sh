@@ -1,0 +1,395 @@
+#!/usr/bin/env bash
+# Run Tessera as a real Flower deployment on this machine: one SuperLink and N
+# SuperNodes talking gRPC over loopback, TLS by default, then `flwr run` the app.
+#
+# Usage: scripts/deploy-local.sh --nodes N [--run-config "k=v ..."]
+#            [--profiles "cpu-small,cpu-large,jetson-orin"] [--insecure]
+#            [--workdir DIR] [--timeout SECONDS]
+#
+#   --nodes N         number of SuperNodes; node i gets node-config
+#                     partition-id=i num-partitions=N device-profile=<profile>
+#   --run-config STR  run-config overrides, as for `flwr run` (or a .toml file);
+#                     output-dir defaults to <repo>/results, run-name to
+#                     deploy-<UTC time>, min-nodes to N
+#   --profiles CSV    device profiles given to the nodes round-robin
+#                     (default cpu-small,cpu-large,jetson-orin)
+#   --insecure        plaintext gRPC instead of TLS
+#   --workdir DIR     certificates, FLWR_HOME, SuperLink state and logs
+#                     (default <repo>/.deploy/<UTC time>-<pid>)
+#   --timeout SECONDS bound on the whole deployment (default 900)
+#
+# Every port is a free loopback port picked at start, so concurrent deployments
+# and leftovers never collide. Every process started here (and its children:
+# flower-superexec, flwr-serverapp, flwr-clientapp) is stopped on exit, also on
+# failure or Ctrl-C. Exits non-zero unless the run wrote summary.json and one
+# metrics.jsonl line per round.
+set -euo pipefail
+
+LOG_PREFIX=deploy-local
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
+
+usage() { # the comment block at the top of this file
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+}
+
+nodes=""
+user_run_config=""
+profiles="cpu-small,cpu-large,jetson-orin"
+insecure=0
+workdir=""
+timeout_s=900
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --nodes) [ $# -ge 2 ] || die "--nodes needs a number"; nodes="$2"; shift 2 ;;
+        --nodes=*) nodes="${1#*=}"; shift ;;
+        --run-config) [ $# -ge 2 ] || die "--run-config needs a value"
+            user_run_config="${user_run_config:+$user_run_config }$2"; shift 2 ;;
+        --run-config=*) user_run_config="${user_run_config:+$user_run_config }${1#*=}"; shift ;;
+        --profiles) [ $# -ge 2 ] || die "--profiles needs a list"; profiles="$2"; shift 2 ;;
+        --profiles=*) profiles="${1#*=}"; shift ;;
+        --insecure) insecure=1; shift ;;
+        --workdir) [ $# -ge 2 ] || die "--workdir needs a folder"; workdir="$2"; shift 2 ;;
+        --workdir=*) workdir="${1#*=}"; shift ;;
+        --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; timeout_s="$2"; shift 2 ;;
+        --timeout=*) timeout_s="${1#*=}"; shift ;;
+        -h | --help) usage; exit 0 ;;
+        *) die "unknown argument '$1'; see --help" ;;
+    esac
+done
+case "$nodes" in
+    '' | *[!0-9]* | 0) die "--nodes must be a positive whole number (got '${nodes}')" ;;
+esac
+case "$timeout_s" in
+    '' | *[!0-9]* | 0) die "--timeout must be a positive whole number of seconds (got '$timeout_s')" ;;
+esac
+started_at=$SECONDS
+deadline=$((SECONDS + timeout_s))
+
+# ------------------------------------------------------------------ environment
+venv="$TESSERA_ROOT/.venv"
+if [ ! -x "$venv/bin/flower-superlink" ]; then
+    if [ -x "$TESSERA_ROOT/scripts/setup.sh" ] || [ -f "$TESSERA_ROOT/scripts/setup.sh" ]; then
+        log "no .venv with Flower yet; running scripts/setup.sh"
+        bash "$TESSERA_ROOT/scripts/setup.sh"
+    fi
+    [ -x "$venv/bin/flower-superlink" ] \
+        || die "$venv has no flower-superlink; create it (scripts/setup.sh, or" \
+            "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]')"
+fi
+py="$venv/bin/python"
+export PATH="$venv/bin:$PATH"
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+export FLWR_DISABLE_UPDATE_CHECK=1
+export FLWR_TELEMETRY_ENABLED="${FLWR_TELEMETRY_ENABLED:-0}"
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning,ignore::DeprecationWarning}"
+
+stamp="$(date -u +%Y%m%d-%H%M%S)"
+[ -n "$workdir" ] || workdir="$TESSERA_ROOT/.deploy/$stamp-$$"
+mkdir -p "$workdir"
+workdir="$(cd "$workdir" && pwd)"
+logs="$workdir/logs"
+certs="$workdir/certs"
+export FLWR_HOME="$workdir/flwr-home"
+mkdir -p "$logs" "$FLWR_HOME"
+# SuperLink state of an earlier deployment in this folder would list its nodes.
+rm -f "$workdir/state.db" "$workdir/state.db-journal" "$workdir/state.db-wal" \
+    "$workdir/state.db-shm"
+
+# ------------------------------------------------------------- process tracking
+pgids=()   # process groups (one per component, each made by setsid)
+tail_pid=""  # the `tail -f` that mirrors the run log to the terminal
+
+# start_group LOGFILE CMD...: start CMD in a new session (so that it and all its
+# children form one process group) with output to LOGFILE; sets $last_pgid.
+start_group() {
+    local logfile="$1" pid
+    shift
+    if have setsid; then
+        setsid "$@" >"$logfile" 2>&1 </dev/null &
+    else
+        "$py" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
+            "$@" >"$logfile" 2>&1 </dev/null &
+    fi
+    pid=$!
+    last_pgid="$pid"
+    pgids+=("$pid")
+}
+
+group_alive() { # group_alive PGID: true while any process of the group lives
+    kill -0 -- "-$1" 2>/dev/null
+}
+
+# Processes ("pid command") left in the sessions we made, or naming the workdir
+# outside this script's own session (which holds this script and its subshells).
+survivors() {
+    local sids=" ${pgids[*]:-} " own pid sid args
+    own="$(ps -o sid= -p $$ | tr -d ' ')"
+    ps -e -o pid= -o sid= -o args= 2>/dev/null | while read -r pid sid args; do
+        if [[ "$sids" == *" $sid "* ]] \
+            || { [ "$sid" != "$own" ] && [[ "$args" == *"$workdir"* ]]; }; then
+            printf '%s %s\n' "$pid" "$args"
+        fi
+    done
+}
+
+cleanup() {
+    local rc=$? pgid i left
+    trap - EXIT INT TERM
+    [ -z "$tail_pid" ] || kill "$tail_pid" 2>/dev/null || true
+    if [ "${#pgids[@]}" -gt 0 ]; then
+        log "stopping ${#pgids[@]} process group(s)"
+        for pgid in "${pgids[@]}"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
+        for i in $(seq 1 50); do
+            left=0
+            for pgid in "${pgids[@]}"; do group_alive "$pgid" && left=1; done
+            [ "$left" = 0 ] && break
+            [ "$i" = 30 ] && log "some processes ignore SIGTERM; waiting 2 s more, then SIGKILL"
+            sleep 0.1
+        done
+        for pgid in "${pgids[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
+        wait 2>/dev/null || true
+        left="$(survivors)"
+        if [ -n "$left" ]; then
+            warn "processes escaped their group; killing them:"
+            printf '%s\n' "$left" >&2
+            printf '%s\n' "$left" | while read -r pid _; do kill -KILL "$pid" 2>/dev/null || true; done
+            sleep 0.5
+            left="$(survivors)"
+            if [ -n "$left" ]; then
+                printf '[%s] error: still alive after SIGKILL:\n%s\n' "$LOG_PREFIX" "$left" >&2
+                [ "$rc" = 0 ] && rc=1
+            fi
+        fi
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'warn "interrupted"; exit 130' INT
+trap 'warn "terminated"; exit 143' TERM
+
+fail() { # fail MESSAGE: print the message and the end of every log, then exit 1
+    local f
+    printf '[%s] error: %s\n' "$LOG_PREFIX" "$*" >&2
+    for f in "$logs"/superlink.log "$logs"/supernode-*.log "$logs"/flwr-run.log; do
+        tail_log "$f" 25
+    done
+    printf '\n[%s] logs: %s\n' "$LOG_PREFIX" "$logs" >&2
+    exit 1
+}
+
+remaining() { echo $((deadline - SECONDS)); }
+
+# ---------------------------------------------------------------- run config
+# Merge the user's overrides with the deployment's (absolute output-dir, run-name,
+# min-nodes) and re-serialise them into one `--run-config` string.
+resolved="$("$py" - "$user_run_config" "$nodes" "$TESSERA_ROOT" "$PWD" "$stamp" "$profiles" <<'PY'
+import os, sys, tomllib
+
+from flwr.common.config import parse_config_args
+
+user, nodes, root, cwd, stamp, profiles = sys.argv[1:7]
+with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
+    defaults = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+cfg = parse_config_args([user]) if user.strip() else {}
+unknown = sorted(set(cfg) - set(defaults))
+if unknown:
+    sys.exit(f"unknown run-config key(s) {', '.join(unknown)}; the keys are those of "
+             "[tool.flwr.app.config] in pyproject.toml")
+out = cfg.get("output-dir") or os.path.join(root, "results")
+out = os.path.expanduser(str(out))
+cfg["output-dir"] = os.path.normpath(out if os.path.isabs(out) else os.path.join(cwd, out))
+if not str(cfg.get("run-name", "")).strip():
+    cfg["run-name"] = f"deploy-{stamp}"
+cfg.setdefault("min-nodes", int(nodes))
+rounds = cfg.get("num-server-rounds", defaults["num-server-rounds"])
+
+def toml_value(key, value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    value = str(value)
+    if "'" not in value and "\n" not in value:
+        return f"'{value}'"
+    if '"' not in value and "\\" not in value and "\n" not in value:
+        return f'"{value}"'
+    sys.exit(f"run-config '{key}' holds both quote characters; simplify it")
+
+line = " ".join(f"{k}={toml_value(k, v)}" for k, v in cfg.items())
+assert parse_config_args([line]) == cfg, (line, cfg)
+try:
+    from client_app.device import PREDEFINED_PROFILES
+except Exception:  # the check is a courtesy; the ClientApp validates again
+    PREDEFINED_PROFILES = None
+if PREDEFINED_PROFILES is not None:
+    bad = [p for p in profiles.split(",") if p.strip() and p.strip() not in PREDEFINED_PROFILES]
+    if bad:
+        sys.exit(f"unknown device profile(s) {', '.join(bad)} in --profiles; use "
+                 f"{', '.join(PREDEFINED_PROFILES)}")
+print(line)
+print(cfg["output-dir"])
+print(cfg["run-name"])
+print(int(rounds))
+PY
+)" || die "bad --run-config or --profiles (see above)"
+{
+    IFS= read -r run_config
+    IFS= read -r output_dir
+    IFS= read -r run_name
+    IFS= read -r num_rounds
+} <<<"$resolved"
+results="$output_dir/$run_name"
+[ ! -s "$results/metrics.jsonl" ] \
+    || die "$results already holds a run; pass another run-name in --run-config"
+
+IFS=',' read -r -a profile_list <<<"${profiles// /}"
+[ "${#profile_list[@]}" -gt 0 ] || die "--profiles is empty"
+
+# ---------------------------------------------------------------------- ports
+read -r -a ports <<<"$("$py" - "$((3 + nodes))" <<'PY'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+for s in socks:
+    s.close()
+PY
+)"
+serverappio_port="${ports[0]}"
+fleet_port="${ports[1]}"
+control_port="${ports[2]}"
+
+# wait_ports PGID SECONDS PORT...: wait until every port accepts connections on
+# 127.0.0.1 while the group lives.
+wait_ports() {
+    "$py" - "$@" <<'PY'
+import os, socket, sys, time
+pgid, limit, ports = int(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+deadline = time.monotonic() + limit
+while ports:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(f"process group {pgid} exited before listening on {ports}")
+    port = ports[0]
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        ports.pop(0)
+        continue
+    except OSError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit(f"nothing listens on 127.0.0.1:{port} after {limit:g}s")
+    time.sleep(0.1)
+PY
+}
+
+# ---------------------------------------------------------------- certificates
+tls_superlink=()
+tls_supernode=()
+if [ "$insecure" = 1 ]; then
+    tls_superlink=(--insecure)
+    tls_supernode=(--insecure)
+    log "TLS is off (--insecure): traffic on loopback is plaintext"
+else
+    bash "$TESSERA_ROOT/scripts/gen-certs.sh" --out "$certs" --names "127.0.0.1,localhost"
+    tls_superlink=(--ssl-ca-certfile "$certs/ca.crt" --ssl-certfile "$certs/server.pem"
+        --ssl-keyfile "$certs/server.key")
+    tls_supernode=(--root-certificates "$certs/ca.crt")
+fi
+
+# ------------------------------------------------------------------ SuperLink
+log "workdir $workdir"
+log "SuperLink: ServerAppIo 127.0.0.1:$serverappio_port, Fleet 127.0.0.1:$fleet_port," \
+    "Control 127.0.0.1:$control_port ($([ "$insecure" = 1 ] && echo plaintext || echo TLS))"
+start_group "$logs/superlink.log" flower-superlink "${tls_superlink[@]}" \
+    --serverappio-api-address "127.0.0.1:$serverappio_port" \
+    --fleet-api-address "127.0.0.1:$fleet_port" \
+    --control-api-address "127.0.0.1:$control_port" \
+    --database "$workdir/state.db"
+superlink_pgid="$last_pgid"
+limit=$(($(remaining) < 60 ? $(remaining) : 60))
+wait_ports "$superlink_pgid" "$limit" "$serverappio_port" "$fleet_port" "$control_port" \
+    || fail "the SuperLink did not come up"
+
+# ------------------------------------------------------------------ SuperNodes
+for ((i = 0; i < nodes; i++)); do
+    profile="${profile_list[$((i % ${#profile_list[@]}))]}"
+    appio_port="${ports[$((3 + i))]}"
+    log "SuperNode $i: partition $i/$nodes, profile $profile, ClientAppIo 127.0.0.1:$appio_port"
+    start_group "$logs/supernode-$i.log" flower-supernode "${tls_supernode[@]}" \
+        --superlink "127.0.0.1:$fleet_port" \
+        --clientappio-api-address "127.0.0.1:$appio_port" \
+        --node-config "partition-id=$i num-partitions=$nodes device-profile='$profile'"
+done
+
+# ------------------------------------------------------------- flwr connection
+{
+    printf '[superlink]\ndefault = "tessera-local"\n\n[superlink.tessera-local]\n'
+    printf 'address = "127.0.0.1:%s"\n' "$control_port"
+    if [ "$insecure" = 1 ]; then
+        printf 'insecure = true\n'
+    else
+        printf 'root-certificates = "%s"\n' "$certs/ca.crt"
+    fi
+} >"$FLWR_HOME/config.toml"
+
+# --------------------------------------------------------------------- the run
+mkdir -p "$output_dir"
+log "flwr run: $num_rounds round(s), results in $results"
+run_started=$SECONDS
+start_group "$logs/flwr-run.log" \
+    flwr run "$TESSERA_ROOT" tessera-local --stream --run-config "$run_config"
+run_pid="$last_pgid"
+# Mirror the streamed run log to the terminal while waiting.
+tail -n +1 -f "$logs/flwr-run.log" >&2 &
+tail_pid=$!
+
+run_rc=""
+while :; do
+    if ! kill -0 "$run_pid" 2>/dev/null; then
+        run_rc=0
+        wait "$run_pid" || run_rc=$?
+        break
+    fi
+    if ! group_alive "$superlink_pgid"; then
+        fail "the SuperLink exited during the run"
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        fail "the run did not finish within --timeout ${timeout_s}s; the last metrics" \
+            "line is $(tail -n 1 "$results/metrics.jsonl" 2>/dev/null | cut -c1-120 || echo none)"
+    fi
+    sleep 0.5
+done
+sleep 0.3
+kill "$tail_pid" 2>/dev/null || true
+wait "$tail_pid" 2>/dev/null || true
+tail_pid=""
+run_seconds=$((SECONDS - run_started))
+
+# ------------------------------------------------------------------ verification
+[ "$run_rc" = 0 ] || fail "flwr run exited with status $run_rc"
+[ -s "$results/summary.json" ] || fail "the run ended without writing $results/summary.json"
+got_rounds="$(wc -l <"$results/metrics.jsonl" 2>/dev/null | tr -d ' ' || echo 0)"
+[ "$got_rounds" = "$num_rounds" ] \
+    || fail "$results/metrics.jsonl has ${got_rounds:-0} round(s), expected $num_rounds"
+
+"$py" - "$results" <<'PY' >&2 || true
+import json, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+for line in (d / "metrics.jsonl").read_text().splitlines():
+    r = json.loads(line)
+    archs = ",".join(sorted({c["arch"] for c in r.get("clients", [])}))
+    print(f"  round {r['round']}: {r.get('num_ok')}/{r.get('num_sent')} ok, "
+          f"{r.get('num_failed', 0)} failed, {r.get('num_rejected', 0)} rejected, "
+          f"{r['round_seconds']:.1f} s, personalised accuracy "
+          f"{r.get('personal_accuracy_mean') or float('nan'):.3f}, archs {archs}")
+PY
+log "done in $((SECONDS - started_at)) s (run $run_seconds s)"
+log "results: $results"
+log "logs:    $logs"
