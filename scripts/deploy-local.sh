@@ -120,12 +120,13 @@ group_alive() { # group_alive PGID: true while any process of the group lives
     kill -0 -- "-$1" 2>/dev/null
 }
 
-# Processes ("pid command") left in the sessions we made, or naming the workdir
+# Live processes ("pid command") left in the sessions we made, or naming the workdir
 # outside this script's own session (which holds this script and its subshells).
 survivors() {
-    local sids=" ${pgids[*]:-} " own pid sid args
+    local sids=" ${pgids[*]:-} " own pid sid stat args
     own="$(ps -o sid= -p $$ | tr -d ' ')"
-    ps -e -o pid= -o sid= -o args= 2>/dev/null | while read -r pid sid args; do
+    ps -e -o pid= -o sid= -o stat= -o args= 2>/dev/null | while read -r pid sid stat args; do
+        [[ "$stat" == Z* ]] && continue # exited, waiting to be reaped
         if [[ "$sids" == *" $sid "* ]] \
             || { [ "$sid" != "$own" ] && [[ "$args" == *"$workdir"* ]]; }; then
             printf '%s %s\n' "$pid" "$args"
@@ -140,11 +141,12 @@ cleanup() {
     if [ "${#pgids[@]}" -gt 0 ]; then
         log "stopping ${#pgids[@]} process group(s)"
         for pgid in "${pgids[@]}"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
-        for i in $(seq 1 50); do
+        # Flower's components take 1-3 s to shut down gracefully.
+        for i in $(seq 1 150); do
             left=0
             for pgid in "${pgids[@]}"; do group_alive "$pgid" && left=1; done
             [ "$left" = 0 ] && break
-            [ "$i" = 30 ] && log "some processes ignore SIGTERM; waiting 2 s more, then SIGKILL"
+            [ "$i" = 80 ] && log "some processes are still shutting down; SIGKILL in 7 s"
             sleep 0.1
         done
         for pgid in "${pgids[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
@@ -315,6 +317,28 @@ superlink_pgid="$last_pgid"
 limit=$(($(remaining) < 60 ? $(remaining) : 60))
 wait_ports "$superlink_pgid" "$limit" "$serverappio_port" "$fleet_port" "$control_port" \
     || fail "the SuperLink did not come up"
+
+# Check what SuperNodes and `flwr` will see: a TLS handshake on the Fleet and Control
+# APIs whose certificate chains to our CA and names 127.0.0.1.
+if [ "$insecure" = 0 ]; then
+    "$py" - "$certs/ca.crt" "$fleet_port" "$control_port" <<'PY' | tee "$logs/tls-check.log" >&2 \
+        || fail "the SuperLink does not serve TLS with the generated certificate"
+import socket, ssl, sys
+ca, ports = sys.argv[1], [("Fleet", int(sys.argv[2])), ("Control", int(sys.argv[3]))]
+for name, port in ports:
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            print(f"TLS verified: {name} API 127.0.0.1:{port} speaks {tls.version()} "
+                  f"(ALPN {tls.selected_alpn_protocol()}) with a certificate for 127.0.0.1 "
+                  f"signed by {ca}")
+    except (OSError, ssl.SSLError) as err:
+        print(f"TLS check failed: {name} API 127.0.0.1:{port}: {err}")
+        sys.exit(1)
+PY
+fi
 
 # ------------------------------------------------------------------ SuperNodes
 for ((i = 0; i < nodes; i++)); do

@@ -1,0 +1,118 @@
+"""Framework overhead per round: Tessera's ``fedavg`` against Flower's built-in FedAvg.
+
+Both run the same task in the same invocation, alternating (A, B, A, B, ...), so the
+ratio is measured side by side on the same machine state:
+
+- ``fedavg``: Tessera's round loop (one exchange per round, clients evaluate inside
+  it, 0.2 s polling, round-timeout on every exchange);
+- ``flwr-fedavg``: Flower's ``FedAvg.start`` (train exchange + evaluate exchange,
+  ``Grid.send_and_receive`` polling every 3 s in deployment).
+
+Every client trains ``fedavg-arch`` (default cnn-3) on its digits partition. Round 1
+is dropped (Ray start-up, handshake, ClientApp imports). Overhead is round wall time
+minus the slowest client's training time.
+
+Usage::
+
+    .venv/bin/python benchmarks/overhead.py [--modes sim,deploy] [--rounds 6]
+        [--nodes 3] [--repeats 2]
+
+Prints a table and writes ``results/bench-overhead/overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMES = ("fedavg", "flwr-fedavg")
+
+
+def run_once(mode: str, scheme: str, *, rounds: int, nodes: int, arch: str, out: Path,
+             name: str) -> list[dict[str, Any]]:
+    """Run one federation and return its round records."""
+    run_config = (f"strategy='{scheme}' fedavg-arch='{arch}' num-server-rounds={rounds} "
+                  "local-epochs=1 partitioner='iid'")
+    if mode == "sim":
+        cmd = ["bash", "scripts/simulate.sh", "--nodes", str(nodes), "--run-name", name,
+               "--output-dir", str(out), "--run-config", run_config]
+    else:
+        cmd = ["bash", "scripts/deploy-local.sh", "--nodes", str(nodes), "--run-config",
+               f"{run_config} output-dir='{out}' run-name='{name}'",
+               "--workdir", str(out / f"{name}-work")]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise RuntimeError(f"{mode} {scheme} failed (exit {proc.returncode})")
+    lines = (out / name / "metrics.jsonl").read_text().splitlines()
+    print(f"  {mode:6s} {scheme:12s} {len(lines)} rounds in {time.monotonic() - started:.0f} s",
+          flush=True)
+    return [json.loads(line) for line in lines]
+
+
+def summarise(records: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """Mean round time and overhead over rounds >= 2 of every repeat."""
+    rows = [r for run in records for r in run if r["round"] >= 2]
+    return {
+        "round_seconds": statistics.mean(r["round_seconds"] for r in rows),
+        "overhead_seconds": statistics.mean(r["overhead_seconds"] for r in rows),
+        "slowest_train_seconds": statistics.mean(r["slowest_train_seconds"] for r in rows),
+        "rounds_measured": len(rows),
+    }
+
+
+def main() -> int:
+    """Run the benchmark and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default="sim,deploy")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--arch", default="cnn-3")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-overhead")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in modes:
+        if mode not in ("sim", "deploy"):
+            parser.error(f"--modes: unknown mode '{mode}'; use sim and/or deploy")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in modes:
+        runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in SCHEMES}
+        for rep in range(args.repeats):
+            for scheme in SCHEMES:
+                runs[scheme].append(run_once(mode, scheme, rounds=args.rounds, nodes=args.nodes,
+                                             arch=args.arch, out=out,
+                                             name=f"{mode}-{scheme}-{rep}"))
+        results[mode] = {s: summarise(r) for s, r in runs.items()}
+    print(f"\nFramework overhead per round ({args.nodes} nodes, {args.arch}, digits, "
+          f"rounds 2..{args.rounds}, {args.repeats} repeats, alternating)")
+    print("| mode | loop | round s | slowest client train s | overhead s | ratio (ours/Flower) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for mode, by in results.items():
+        ratio = by["fedavg"]["round_seconds"] / by["flwr-fedavg"]["round_seconds"]
+        target = 1.05 if mode == "sim" else 0.5
+        for scheme in SCHEMES:
+            s = by[scheme]
+            label = "Tessera fedavg" if scheme == "fedavg" else "Flower FedAvg.start"
+            ratio_s = (f"{ratio:.2f} (target <= {target})" if scheme == "fedavg" else "")
+            print(f"| {mode} | {label} | {s['round_seconds']:.2f} | "
+                  f"{s['slowest_train_seconds']:.2f} | {s['overhead_seconds']:.2f} | {ratio_s} |")
+        results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
+    (out / "overhead.json").write_text(json.dumps(results, indent=2))
+    print(f"\nwritten to {out / 'overhead.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

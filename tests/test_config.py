@@ -1,0 +1,287 @@
+"""Run- and node-config parsing: real defaults parse, every bad value names its key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from strategies import get_scheme, list_schemes
+from tessera.config import ConfigError, ConfigReader, NodeConfig, RunConfig, parse_csv
+
+RunConfigFactory = Callable[..., dict[str, Any]]
+
+
+def test_defaults_parse(default_run_config: dict[str, Any]) -> None:
+    # Execute
+    cfg = RunConfig.from_flower(default_run_config)
+
+    # Assert: every typed field equals the pyproject value
+    assert cfg.strategy == default_run_config["strategy"]
+    assert cfg.num_server_rounds == default_run_config["num-server-rounds"]
+    assert cfg.partitioner == default_run_config["partitioner"]
+    assert cfg.learning_rate == default_run_config["learning-rate"]
+    assert cfg.momentum == default_run_config["momentum"]
+    assert cfg.round_timeout == default_run_config["round-timeout"]
+    assert cfg.train_time_budget == default_run_config["train-time-budget"]
+    assert cfg.sim_device_profiles == tuple(
+        default_run_config["sim-device-profiles"].split(",")
+    )
+    # empty strings in pyproject mean "not set"
+    assert default_run_config["model-family"] == ""
+    assert cfg.model_family is None
+    assert default_run_config["run-name"] == ""
+    assert cfg.run_name is None
+
+
+def test_to_dict_uses_kebab_case_keys_of_pyproject(default_run_config: dict[str, Any]) -> None:
+    # Prepare: scheme-specific keys are read by the schemes, not by RunConfig
+    scheme_keys = {"proximal-mu", "fedavg-arch", "fedavg-exclude-unfit"}
+
+    # Execute
+    out = RunConfig.from_flower(default_run_config).to_dict()
+
+    # Assert
+    assert set(out) == set(default_run_config) - scheme_keys
+    assert out["sim-device-profiles"] == ["cpu-small", "cpu-large", "jetson-orin"]
+
+
+def test_every_scheme_parses_its_options_from_the_defaults(
+    default_run_config: dict[str, Any],
+) -> None:
+    # Execute / Assert: flwr-fedavg is the only scheme that needs a key set
+    for name in list_schemes():
+        scheme = get_scheme(name)
+        if name == "flwr-fedavg":
+            with pytest.raises(ConfigError, match="fedavg-arch"):
+                scheme.parse_options(default_run_config)
+        else:
+            scheme.parse_options(default_run_config)
+
+
+def test_partitioner_is_case_insensitive(run_config: RunConfigFactory) -> None:
+    # Execute
+    cfg = RunConfig.from_flower(run_config({"partitioner": "IID"}))
+
+    # Assert
+    assert cfg.partitioner == "iid"
+
+
+def test_string_numbers_are_converted(run_config: RunConfigFactory) -> None:
+    # Prepare: values from a CLI may arrive as strings
+    config = run_config({"num-server-rounds": "3", "learning-rate": "0.1", "batch-size": 8.0})
+
+    # Execute
+    cfg = RunConfig.from_flower(config)
+
+    # Assert
+    assert cfg.num_server_rounds == 3
+    assert cfg.learning_rate == 0.1
+    assert cfg.batch_size == 8
+    assert isinstance(cfg.batch_size, int)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("num-server-rounds", 0, "1 or more rounds"),
+        ("num-server-rounds", "five", "not a valid int"),
+        ("num-server-rounds", 2.5, "whole number"),
+        ("num-server-rounds", True, "whole number"),
+        ("partitioner", "foo", "iid, dirichlet, pathological"),
+        ("dirichlet-alpha", 0.0, "positive"),
+        ("classes-per-client", 0, "1 or more"),
+        ("server-pool-fraction", 0.0, "(0, 0.9)"),
+        ("server-pool-fraction", 0.9, "(0, 0.9)"),
+        ("local-test-fraction", 0.95, "[0, 0.9)"),
+        ("local-test-fraction", -0.1, "[0, 0.9)"),
+        ("seed", "x", "not a valid int"),
+        ("local-epochs", 0, "1 or more"),
+        ("batch-size", 0, "positive"),
+        ("learning-rate", -1, "positive learning rate"),
+        ("learning-rate", 0, "positive learning rate"),
+        ("learning-rate", "fast", "not a valid float"),
+        ("learning-rate", float("inf"), "finite"),
+        ("learning-rate", float("nan"), "finite"),
+        ("momentum", 1.0, "[0, 1)"),
+        ("momentum", -0.5, "[0, 1)"),
+        ("momentum", True, "use a number"),
+        ("weight-decay", -0.001, "non-negative"),
+        ("round-timeout", 0, "positive"),
+        ("min-nodes", 0, "1 or more"),
+        ("node-wait-timeout", -1, "positive"),
+        ("train-time-budget", 0, "positive"),
+        ("memory-fraction", 0.0, "(0, 1]"),
+        ("memory-fraction", 1.5, "(0, 1]"),
+        ("output-dir", "  ", "name a folder"),
+    ],
+)
+def test_invalid_run_config_value_raises_naming_the_key(
+    run_config: RunConfigFactory, key: str, value: Any, fragment: str
+) -> None:
+    # Prepare
+    config = run_config({key: value})
+
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_flower(config)
+    message = str(info.value)
+    assert f"'{key}'" in message
+    assert fragment in message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key", "value", "fragment"),
+    [
+        ("fedavg", "fedavg-arch", "cnn-99", "not a registered model"),
+        ("fedavg", "fedavg-exclude-unfit", "maybe", "not a valid bool"),
+        ("fedavg", "fedavg-exclude-unfit", 2, "not a valid bool"),
+        ("fedprox", "proximal-mu", -0.1, "non-negative"),
+        ("fedprox", "proximal-mu", "a lot", "not a valid float"),
+    ],
+)
+def test_invalid_scheme_option_raises_naming_the_key(
+    run_config: RunConfigFactory, strategy: str, key: str, value: Any, fragment: str
+) -> None:
+    # Prepare
+    config = run_config({"strategy": strategy, key: value})
+
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        get_scheme(strategy).parse_options(config)
+    assert f"'{key}'" in str(info.value)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(True, True), (False, False), ("true", True), ("False", False), ("1", True), (0, False)],
+)
+def test_bool_values(raw: Any, expected: bool) -> None:
+    # Execute
+    value = ConfigReader({"flag": raw}, "run-config").get("flag", bool, False)
+
+    # Assert
+    assert value is expected
+
+
+def test_fedavg_options_parse(run_config: RunConfigFactory) -> None:
+    # Prepare
+    config = run_config({"fedavg-arch": "cnn-5", "fedavg-exclude-unfit": "true"})
+
+    # Execute
+    options = get_scheme("fedavg").parse_options(config)
+
+    # Assert
+    assert options.arch == "cnn-5"
+    assert options.exclude_unfit is True
+
+
+def test_fedprox_options_parse(run_config: RunConfigFactory) -> None:
+    # Prepare
+    config = run_config({"proximal-mu": 0.5})
+
+    # Execute
+    options = get_scheme("fedprox").parse_options(config)
+
+    # Assert
+    assert options.proximal_mu == 0.5
+    assert options.arch is None
+    assert options.exclude_unfit is False
+
+
+def test_missing_key_without_default_raises_naming_it() -> None:
+    # Prepare
+    reader = ConfigReader({}, "node-config")
+
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"node-config key 'partition-id' is missing"):
+        reader.get("partition-id", int)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a,b", ("a", "b")),
+        (" a , ,b ,", ("a", "b")),
+        ("", ()),
+        (None, ()),
+    ],
+)
+def test_parse_csv(text: str | None, expected: tuple[str, ...]) -> None:
+    # Execute / Assert
+    assert parse_csv(text) == expected
+
+
+def test_node_config_with_partition() -> None:
+    # Execute
+    node = NodeConfig.from_flower({"partition-id": 2, "num-partitions": 3})
+
+    # Assert
+    assert node.partition_id == 2
+    assert node.num_partitions == 3
+    assert node.data_path is None
+    assert node.arch is None
+    assert node.device_profile is None
+
+
+def test_node_config_with_data_path_and_overrides() -> None:
+    # Execute
+    node = NodeConfig.from_flower(
+        {"data-path": "/data/mine.npz", "arch": "cnn-2", "device-profile": "cpu-small"}
+    )
+
+    # Assert
+    assert node.data_path == "/data/mine.npz"
+    assert node.partition_id is None
+    assert node.arch == "cnn-2"
+    assert node.device_profile == "cpu-small"
+
+
+def test_node_config_blank_strings_mean_unset() -> None:
+    # Execute
+    node = NodeConfig.from_flower(
+        {"partition-id": 0, "num-partitions": 1, "arch": " ", "device-profile": ""}
+    )
+
+    # Assert
+    assert node.arch is None
+    assert node.device_profile is None
+
+
+@pytest.mark.parametrize(
+    "node_config",
+    [
+        pytest.param({}, id="empty"),
+        pytest.param({"partition-id": 0}, id="no-num-partitions"),
+        pytest.param({"num-partitions": 3}, id="no-partition-id"),
+        pytest.param({"data-path": "  "}, id="blank-data-path"),
+    ],
+)
+def test_node_config_needs_partition_keys_or_data_path(node_config: dict[str, Any]) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        NodeConfig.from_flower(node_config)
+    assert "'partition-id'" in str(info.value)
+    assert "'num-partitions'" in str(info.value)
+    assert "'data-path'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("pid", "nparts"),
+    [(3, 3), (-1, 3), (0, 0), (5, 2)],
+)
+def test_partition_id_out_of_range_raises(pid: int, nparts: int) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        NodeConfig.from_flower({"partition-id": pid, "num-partitions": nparts})
+    assert f"partition-id={pid}" in str(info.value)
+    assert f"num-partitions={nparts}" in str(info.value)
+    assert "[0, num-partitions)" in str(info.value)
+
+
+def test_partition_id_not_an_int_raises_naming_the_key() -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"node-config key 'partition-id' has value 'first'"):
+        NodeConfig.from_flower({"partition-id": "first", "num-partitions": 3})
