@@ -35,26 +35,48 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("fedavg", "flwr-fedavg")
 
 
-def run_once(mode: str, scheme: str, *, rounds: int, nodes: int, arch: str, out: Path,
-             name: str) -> list[dict[str, Any]]:
+def run_once(
+    mode: str, scheme: str, *, rounds: int, nodes: int, arch: str, out: Path, name: str
+) -> list[dict[str, Any]]:
     """Run one federation and return its round records."""
-    run_config = (f"strategy='{scheme}' fedavg-arch='{arch}' num-server-rounds={rounds} "
-                  "local-epochs=1 partitioner='iid'")
+    run_config = (
+        f"strategy='{scheme}' fedavg-arch='{arch}' num-server-rounds={rounds} "
+        "local-epochs=1 partitioner='iid'"
+    )
     if mode == "sim":
-        cmd = ["bash", "scripts/simulate.sh", "--nodes", str(nodes), "--run-name", name,
-               "--output-dir", str(out), "--run-config", run_config]
+        cmd = [
+            "bash",
+            "scripts/simulate.sh",
+            "--nodes",
+            str(nodes),
+            "--run-name",
+            name,
+            "--output-dir",
+            str(out),
+            "--run-config",
+            run_config,
+        ]
     else:
-        cmd = ["bash", "scripts/deploy-local.sh", "--nodes", str(nodes), "--run-config",
-               f"{run_config} output-dir='{out}' run-name='{name}'",
-               "--workdir", str(out / f"{name}-work")]
+        cmd = [
+            "bash",
+            "scripts/deploy-local.sh",
+            "--nodes",
+            str(nodes),
+            "--run-config",
+            f"{run_config} output-dir='{out}' run-name='{name}'",
+            "--workdir",
+            str(out / f"{name}-work"),
+        ]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"{mode} {scheme} failed (exit {proc.returncode})")
     lines = (out / name / "metrics.jsonl").read_text().splitlines()
-    print(f"  {mode:6s} {scheme:12s} {len(lines)} rounds in {time.monotonic() - started:.0f} s",
-          flush=True)
+    print(
+        f"  {mode:6s} {scheme:12s} {len(lines)} rounds in {time.monotonic() - started:.0f} s",
+        flush=True,
+    )
     return [json.loads(line) for line in lines]
 
 
@@ -91,12 +113,22 @@ def main() -> int:
         runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in SCHEMES}
         for rep in range(args.repeats):
             for scheme in SCHEMES:
-                runs[scheme].append(run_once(mode, scheme, rounds=args.rounds, nodes=args.nodes,
-                                             arch=args.arch, out=out,
-                                             name=f"{mode}-{scheme}-{rep}"))
+                runs[scheme].append(
+                    run_once(
+                        mode,
+                        scheme,
+                        rounds=args.rounds,
+                        nodes=args.nodes,
+                        arch=args.arch,
+                        out=out,
+                        name=f"{mode}-{scheme}-{rep}",
+                    )
+                )
         results[mode] = {s: summarise(r) for s, r in runs.items()}
-    print(f"\nFramework overhead per round ({args.nodes} nodes, {args.arch}, digits, "
-          f"rounds 2..{args.rounds}, {args.repeats} repeats, alternating)")
+    print(
+        f"\nFramework overhead per round ({args.nodes} nodes, {args.arch}, digits, "
+        f"rounds 2..{args.rounds}, {args.repeats} repeats, alternating)"
+    )
     print("| mode | loop | round s | slowest client train s | overhead s | ratio (ours/Flower) |")
     print("|---|---|---:|---:|---:|---:|")
     for mode, by in results.items():
@@ -105,9 +137,11 @@ def main() -> int:
         for scheme in SCHEMES:
             s = by[scheme]
             label = "Tessera fedavg" if scheme == "fedavg" else "Flower FedAvg.start"
-            ratio_s = (f"{ratio:.2f} (target <= {target})" if scheme == "fedavg" else "")
-            print(f"| {mode} | {label} | {s['round_seconds']:.2f} | "
-                  f"{s['slowest_train_seconds']:.2f} | {s['overhead_seconds']:.2f} | {ratio_s} |")
+            ratio_s = f"{ratio:.2f} (target <= {target})" if scheme == "fedavg" else ""
+            print(
+                f"| {mode} | {label} | {s['round_seconds']:.2f} | "
+                f"{s['slowest_train_seconds']:.2f} | {s['overhead_seconds']:.2f} | {ratio_s} |"
+            )
         results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
     (out / "overhead.json").write_text(json.dumps(results, indent=2))
     print(f"\nwritten to {out / 'overhead.json'}")

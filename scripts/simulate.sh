@@ -34,7 +34,25 @@ FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
 export FLWR_LOCAL_CONTROL_API_PORT
 trap 'stop_local_superlink "$FLWR_HOME"' EXIT INT TERM
 
-flwr run . --stream \
-    --federation-config "num-supernodes=$NODES client-resources-num-cpus=1" \
-    --run-config "$RUN_CONFIG output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'"
+LOG="$FLWR_HOME/$RUN_NAME.log"
+run_flower() {
+    set +e
+    flwr run . --stream \
+        --federation-config "num-supernodes=$NODES client-resources-num-cpus=1" \
+        --run-config "$RUN_CONFIG output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'" 2>&1 | tee "$LOG"
+    set -e
+}
+run_flower
+# Ray occasionally fails to bring its raylet up within its fixed 30 s on a loaded
+# 2-core machine ("The current node timed out during startup"). That is a start-up
+# failure before any round ran: retry once, and say so.
+if [ ! -s "$OUTPUT_DIR/$RUN_NAME/metrics.jsonl" ] \
+    && grep -qE "timed out during startup|logs/gcs_server.err" "$LOG" \
+    && ! grep -q "ServerApp thread raised an exception" "$LOG"; then
+    echo "simulate.sh: Ray failed to start (machine busy?); retrying the run once" >&2
+    stop_local_superlink "$FLWR_HOME"
+    rm -rf "${OUTPUT_DIR:?}/$RUN_NAME"
+    FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
+    run_flower
+fi
 python -m tessera.report "$OUTPUT_DIR/$RUN_NAME"

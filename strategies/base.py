@@ -33,7 +33,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from strategies.aggregation import mean_std
-from strategies.validation import ArraySpec, ClientReply, Rejection, ReplySchema, validate_reply
+from strategies.validation import (
+    ArraySpec,
+    ClientReply,
+    Rejection,
+    ReplySchema,
+    short_reason,
+    validate_reply,
+)
 from tessera import wire
 from tessera.config import RunConfig
 from tessera.data import ArrayDataset
@@ -189,7 +196,10 @@ def parse_handshake(reply: Message, known_archs: Iterable[str]) -> NodeInfo | Re
     """Validate a handshake reply into a :class:`NodeInfo`."""
     node_id = int(reply.metadata.src_node_id)
     if reply.has_error():
-        return Rejection(node_id, f"handshake failed: {reply.error.code}: {reply.error.reason}")
+        return Rejection(
+            node_id,
+            f"handshake failed (code {reply.error.code}): {short_reason(reply.error.reason or '')}",
+        )
     if wire.PROFILE not in reply.content.config_records:
         return Rejection(node_id, "handshake reply has no 'profile' record")
     rec = reply.content.config_records[wire.PROFILE]
@@ -424,6 +434,14 @@ class HeteroStrategy(Strategy):
         for server_round in range(1, num_rounds + 1):
             self._round_started = time.monotonic()
             self._refresh_nodes(grid, timeout)
+            if server_round == 1 and len(self.assignment) < self.env.run.min_nodes:
+                reasons = "; ".join(
+                    f"node {r.node_id}: {r.reason}" for r in self._handshake_rejections
+                )
+                raise RuntimeError(
+                    f"only {len(self.assignment)} node(s) can take part but min-nodes="
+                    f"{self.env.run.min_nodes}; handshake problems: {reasons or 'none'}"
+                )
             messages = list(self.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
             outcome = exchange(grid, messages, timeout=timeout)
             self._round_missing = outcome.missing

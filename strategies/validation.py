@@ -67,6 +67,15 @@ class Rejection:
     details: dict[str, str] = field(default_factory=dict)
 
 
+def short_reason(reason: str, limit: int = 300) -> str:
+    """Condense a node's error text (Ray wraps it in a traceback) to its message."""
+    if "Message: " in reason:
+        reason = reason.rsplit("Message: ", 1)[1]
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else reason
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_metrics(record: MetricRecord, required: tuple[str, ...]) -> str | dict[str, float]:
     metrics: dict[str, float] = {}
     for key in required:
@@ -152,7 +161,8 @@ def validate_reply(
         return Rejection(node_id, f"reply from unknown node {node_id}")
     if reply.has_error():
         err = reply.error
-        return Rejection(node_id, f"node reported error {err.code}: {err.reason}")
+        why = short_reason(err.reason or "")
+        return Rejection(node_id, f"node reported error {err.code}: {why}")
     if not reply.has_content():
         return Rejection(node_id, "reply has no content")
     content = reply.content
@@ -171,9 +181,9 @@ def validate_reply(
             return Rejection(node_id, checked)
         arrays = checked
     if schema.extra is not None:
-        reason = schema.extra(content)
-        if reason is not None:
-            return Rejection(node_id, reason)
+        problem = schema.extra(content)
+        if problem is not None:
+            return Rejection(node_id, problem)
     return ClientReply(
         node_id=node_id,
         arch=expected_nodes[node_id],

@@ -187,7 +187,9 @@ def _nan(value: Any) -> float:
 def format_round_row(record: Mapping[str, Any], num_rounds: int) -> str:
     """Format one line of the per-round results table printed to the terminal."""
     glob = record.get("global_accuracy")
-    glob_s = "-" if glob is None or (isinstance(glob, float) and math.isnan(glob)) else f"{glob:.3f}"
+    glob_s = (
+        "-" if glob is None or (isinstance(glob, float) and math.isnan(glob)) else f"{glob:.3f}"
+    )
     mean = record.get("personal_accuracy_mean")
     std = record.get("personal_accuracy_std") or 0.0
     pers = "-" if mean is None or math.isnan(mean) else f"{mean:.3f}±{std:.3f}"

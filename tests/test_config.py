@@ -25,9 +25,7 @@ def test_defaults_parse(default_run_config: dict[str, Any]) -> None:
     assert cfg.momentum == default_run_config["momentum"]
     assert cfg.round_timeout == default_run_config["round-timeout"]
     assert cfg.train_time_budget == default_run_config["train-time-budget"]
-    assert cfg.sim_device_profiles == tuple(
-        default_run_config["sim-device-profiles"].split(",")
-    )
+    assert cfg.sim_device_profiles == tuple(default_run_config["sim-device-profiles"].split(","))
     # empty strings in pyproject mean "not set"
     assert default_run_config["model-family"] == ""
     assert cfg.model_family is None

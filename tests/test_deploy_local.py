@@ -32,12 +32,18 @@ pytestmark = [
 
 def _command(tmp_path: Path, run_config: str, nodes: int = 3) -> list[str]:
     return [
-        "bash", str(SCRIPT),
-        "--nodes", str(nodes),
-        "--profiles", ",".join(PROFILES),
-        "--run-config", run_config,
-        "--workdir", str(tmp_path / "deploy"),
-        "--timeout", "300",
+        "bash",
+        str(SCRIPT),
+        "--nodes",
+        str(nodes),
+        "--profiles",
+        ",".join(PROFILES),
+        "--run-config",
+        run_config,
+        "--workdir",
+        str(tmp_path / "deploy"),
+        "--timeout",
+        "300",
     ]
 
 
@@ -108,14 +114,16 @@ def test_deploy_local_tls_three_nodes(tmp_path: Path) -> None:
 
 def test_deploy_local_survives_a_supernode_stopped_after_round_one(tmp_path: Path) -> None:
     # Prepare: three rounds; stop the third node once round 1 is on disk
-    cmd = _command(tmp_path, _run_config(tmp_path).replace("num-server-rounds=2",
-                                                           "num-server-rounds=3"))
+    cmd = _command(
+        tmp_path, _run_config(tmp_path).replace("num-server-rounds=2", "num-server-rounds=3")
+    )
     metrics = tmp_path / "results" / "e2e" / "metrics.jsonl"
     marker = "partition-id=2 "
 
     # Execute
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     stopped: list[int] = []
     try:
         deadline = time.monotonic() + 300
