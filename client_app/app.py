@@ -116,9 +116,8 @@ def _profile(run: RunConfig, node: NodeConfig, context: Context) -> DeviceProfil
         return DeviceProfile.from_dict(
             {k[len("device-") :]: v for k, v in rec.items() if k.startswith("device-")}
         )
-    return resolve_profile(
-        node.device_profile, run.sim_device_profiles, node.partition_id, benchmark=True
-    )
+    # No handshake state (e.g. the SuperNode restarted): probe, never emulate.
+    return resolve_profile(node.device_profile, None, node.partition_id, benchmark=True)
 
 
 @app.query("handshake")
@@ -132,8 +131,13 @@ def handshake(msg: Message, context: Context) -> Message:
     node = NodeConfig.from_flower(context.node_config)
     scheme = get_scheme(run.strategy)
     data = load_node_data(run, node)
+    config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
+    simulated = bool(config.get("simulation", False))
     profile = resolve_profile(
-        node.device_profile, run.sim_device_profiles, node.partition_id, benchmark=True
+        node.device_profile,
+        run.sim_device_profiles if simulated else None,
+        node.partition_id,
+        benchmark=True,
     )
     family = run.model_family or scheme.default_family
     workload = Workload(
@@ -181,13 +185,21 @@ def handshake(msg: Message, context: Context) -> Message:
 
 def _load_weights(model: torch.nn.Module, record: ArrayRecord) -> None:
     state = record.to_torch_state_dict()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    wrong = [
+        f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or wrong:
         raise ConfigError(
             f"received weights do not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; server and client disagree on the "
-            "architecture"
+            f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}; server and client "
+            "disagree on the architecture or the task (classes, input shape)"
         )
+    model.load_state_dict(state)
 
 
 @app.train()

@@ -120,18 +120,32 @@ group_alive() { # group_alive PGID: true while any process of the group lives
     kill -0 -- "-$1" 2>/dev/null
 }
 
-# Live processes ("pid command") left in the sessions we made, or naming the workdir
-# outside this script's own session (which holds this script and its subshells).
+# group_members: live (not zombie) processes, "pid command", in our process groups.
+group_members() {
+    local pgs=" ${pgids[*]:-} " pid pgid stat args
+    ps -e -o pid= -o pgid= -o stat= -o args= 2>/dev/null | while read -r pid pgid stat args; do
+        [[ "$stat" == Z* ]] && continue
+        [[ "$pgs" == *" $pgid "* ]] && printf '%s %s\n' "$pid" "$args"
+    done
+    return 0
+}
+
+# Live processes ("pid command") left in the sessions we made, or Flower processes
+# that name the workdir outside this script's own session (a Flower process that
+# started a session of its own).
 survivors() {
     local sids=" ${pgids[*]:-} " own pid sid stat args
     own="$(ps -o sid= -p $$ | tr -d ' ')"
     ps -e -o pid= -o sid= -o stat= -o args= 2>/dev/null | while read -r pid sid stat args; do
         [[ "$stat" == Z* ]] && continue # exited, waiting to be reaped
-        if [[ "$sids" == *" $sid "* ]] \
-            || { [ "$sid" != "$own" ] && [[ "$args" == *"$workdir"* ]]; }; then
+        if [[ "$sids" == *" $sid "* ]] || {
+            [ "$sid" != "$own" ] && [[ "$args" == *"$workdir"* ]] \
+                && [[ "$args" == *flower-* || "$args" == *flwr* ]]
+        }; then
             printf '%s %s\n' "$pid" "$args"
         fi
     done
+    return 0
 }
 
 cleanup() {
@@ -142,11 +156,13 @@ cleanup() {
         log "stopping ${#pgids[@]} process group(s)"
         for pgid in "${pgids[@]}"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
         # Flower's components take 1-3 s to shut down gracefully.
-        for i in $(seq 1 150); do
-            left=0
-            for pgid in "${pgids[@]}"; do group_alive "$pgid" && left=1; done
-            [ "$left" = 0 ] && break
-            [ "$i" = 80 ] && log "some processes are still shutting down; SIGKILL in 7 s"
+        for i in $(seq 1 100); do
+            left="$(group_members)"
+            [ -z "$left" ] && break
+            if [ "$i" = 50 ]; then
+                log "still shutting down after 5 s (SIGKILL in 5 s):"
+                printf '  %s\n' "$left" | cut -c1-160 >&2
+            fi
             sleep 0.1
         done
         for pgid in "${pgids[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
@@ -186,14 +202,22 @@ remaining() { echo $((deadline - SECONDS)); }
 # Merge the user's overrides with the deployment's (absolute output-dir, run-name,
 # min-nodes) and re-serialise them into one `--run-config` string.
 resolved="$("$py" - "$user_run_config" "$nodes" "$TESSERA_ROOT" "$PWD" "$stamp" "$profiles" <<'PY'
-import os, sys, tomllib
+import os, sys
 
 from flwr.common.config import parse_config_args
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (JetPack 6): flwr depends on tomli
+    import tomli as tomllib
 
 user, nodes, root, cwd, stamp, profiles = sys.argv[1:7]
 with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
     defaults = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
-cfg = parse_config_args([user]) if user.strip() else {}
+try:
+    cfg = parse_config_args([user]) if user.strip() else {}
+except Exception as err:  # click.ClickException, TOMLDecodeError, OSError
+    sys.exit(f"--run-config {user!r}: {getattr(err, 'message', err)}")
 unknown = sorted(set(cfg) - set(defaults))
 if unknown:
     sys.exit(f"unknown run-config key(s) {', '.join(unknown)}; the keys are those of "
@@ -384,8 +408,9 @@ while :; do
         fail "the SuperLink exited during the run"
     fi
     if [ "$SECONDS" -ge "$deadline" ]; then
-        fail "the run did not finish within --timeout ${timeout_s}s; the last metrics" \
-            "line is $(tail -n 1 "$results/metrics.jsonl" 2>/dev/null | cut -c1-120 || echo none)"
+        done_rounds="$(wc -l <"$results/metrics.jsonl" 2>/dev/null | tr -d ' ')" || true
+        fail "the run did not finish within --timeout ${timeout_s}s" \
+            "(${done_rounds:-0} of $num_rounds round(s) done)"
     fi
     sleep 0.5
 done

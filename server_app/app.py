@@ -113,7 +113,10 @@ def main(grid: Grid, context: Context) -> None:
         nodes = getattr(server, "nodes", {})
         if nodes:
             ordered = sorted(nodes.values(), key=lambda i: (i.partition_id, i.node_id))
-            counts = np.array([i.label_counts for i in ordered])
+            width = max([env.num_classes, *(len(i.label_counts) for i in ordered)])
+            counts = np.array(
+                [list(i.label_counts) + [0] * (width - len(i.label_counts)) for i in ordered]
+            )
             plot_label_distribution(
                 counts,
                 writer.directory / "label_distribution.png",

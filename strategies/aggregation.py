@@ -55,15 +55,16 @@ def weighted_average(
         )
     w = w / w.sum()
     reference = arrays[0]
+    for i, contribution in enumerate(arrays):
+        if contribution.keys() != reference.keys():
+            raise AggregationError(
+                f"contribution {i} has keys {sorted(contribution)} but the first "
+                f"has {sorted(reference)}"
+            )
     out: dict[str, np.ndarray] = {}
     for key, ref in reference.items():
         acc = np.zeros(ref.shape, dtype=np.float64)
         for i, contribution in enumerate(arrays):
-            if contribution.keys() != reference.keys():
-                raise AggregationError(
-                    f"contribution {i} has keys {sorted(contribution)} but the first "
-                    f"has {sorted(reference)}"
-                )
             value = contribution[key]
             if value.shape != ref.shape or value.dtype != ref.dtype:
                 raise AggregationError(
@@ -98,7 +99,7 @@ def mean_std(
         return math.nan, math.nan
     v = np.asarray(values, dtype=np.float64)
     w = np.ones_like(v) if weights is None else np.asarray(weights, dtype=np.float64)
-    if w.shape != v.shape or w.sum() <= 0:
+    if w.shape != v.shape or np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise AggregationError(
             f"{len(values)} values need as many non-negative weights with a positive "
             f"sum, got {list(w)}"

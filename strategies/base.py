@@ -170,6 +170,17 @@ def exchange(
     return ExchangeResult(replies, missing, bytes_down)
 
 
+def is_simulation(grid: Grid) -> bool:
+    """Whether the grid is Flower's in-memory simulation grid.
+
+    Only then do clients emulate the fleet of run-config ``sim-device-profiles``; a
+    deployed node always probes its device (or takes node-config ``device-profile``).
+    """
+    from flwr.server.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
 def wait_for_nodes(grid: Grid, *, min_nodes: int, timeout: float) -> list[int]:
     """Wait until at least ``min_nodes`` nodes are connected.
 
@@ -461,7 +472,13 @@ class HeteroStrategy(Strategy):
         connected = {int(n) for n in grid.get_node_ids()}
         new = sorted(connected - set(self.nodes) - set(self.excluded))
         if new:
-            content = RecordDict({wire.CONFIG: ConfigRecord({"server-round": 0})})
+            content = RecordDict(
+                {
+                    wire.CONFIG: ConfigRecord(
+                        {"server-round": 0, "simulation": is_simulation(grid)}
+                    )
+                }
+            )
             msgs = [
                 Message(
                     content=content,

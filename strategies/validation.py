@@ -81,6 +81,8 @@ def _check_metrics(record: MetricRecord, required: tuple[str, ...]) -> str | dic
     for key in required:
         if key not in record:
             return f"metric '{key}' missing from the 'metrics' record"
+        if isinstance(record[key], list):
+            return f"metric '{key}' must be a number, got a list"
     for key, value in record.items():
         if isinstance(value, list):
             continue

@@ -35,7 +35,11 @@ def _json_default(value: Any) -> Any:
 
 
 def _clean(value: Any) -> Any:
-    """Replace NaN/inf by None so the files are strict JSON."""
+    """Replace NaN/inf by None so the files are strict JSON (numpy values included)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -62,9 +66,8 @@ class ResultsWriter:
     Parameters
     ----------
     directory : Path
-        ``<output-dir>/<run-name>``; created if missing. An existing
-        ``metrics.jsonl`` is kept and appended to only if ``resume`` is true,
-        otherwise a non-empty folder raises so that runs never mix.
+        ``<output-dir>/<run-name>``; created if missing. A folder that already
+        holds a non-empty ``metrics.jsonl`` raises, so that runs never mix.
     """
 
     def __init__(self, directory: Path) -> None:
@@ -144,7 +147,11 @@ def plot_rounds(rounds: Sequence[Mapping[str, Any]], directory: Path) -> list[Pa
     for arch in archs:
         per = []
         for r in rounds:
-            accs = [c["test_accuracy"] for c in r.get("clients", []) if c["arch"] == arch]
+            accs = [
+                c["test_accuracy"]
+                for c in r.get("clients", [])
+                if c["arch"] == arch and c.get("test_accuracy") is not None
+            ]
             per.append(float(np.mean(accs)) if accs else math.nan)
         ax.plot(xs, per, linestyle="--", alpha=0.7, label=f"clients on {arch}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

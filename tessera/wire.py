@@ -71,4 +71,6 @@ def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 def numpy_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Convert a dict of numpy arrays to an :class:`ArrayRecord`."""
-    return ArrayRecord({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    return ArrayRecord(
+        {k: torch.from_numpy(np.array(v, order="C", copy=True)) for k, v in arrays.items()}
+    )

@@ -8,8 +8,9 @@ without a SuperLink, SuperNodes or Ray.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -216,17 +217,15 @@ def digits_bundle() -> Any:
 
 
 @pytest.fixture(scope="session")
-def _candidate_cost_cache() -> dict[tuple[Any, ...], Any]:
+def candidate_cost_cache() -> dict[tuple[Any, ...], Any]:
+    """Results of ``candidate_costs`` by arguments, kept for the session."""
     return {}
 
 
-@pytest.fixture
-def fast_clients(
-    monkeypatch: pytest.MonkeyPatch,
-    digits_bundle: Any,
-    _candidate_cost_cache: dict[tuple[Any, ...], Any],
+def install_fast_clients(
+    monkeypatch: pytest.MonkeyPatch, bundle: Any, cache: dict[tuple[Any, ...], Any]
 ) -> None:
-    """Serve the ClientApp's two slow pure look-ups from a per-session cache.
+    """Serve the ClientApp's two slow pure look-ups from a cache.
 
     ``load_bundle("digits")`` and ``candidate_costs`` (which builds every model of a
     family) give the same result on every call; caching them keeps the handshake and
@@ -239,15 +238,68 @@ def fast_clients(
     real_costs = client_app.selection.candidate_costs
 
     def load_bundle(spec: Any) -> Any:
-        return digits_bundle if spec == "digits" else real_load(spec)
+        return bundle if spec == "digits" else real_load(spec)
 
     def candidate_costs(
         family: str, input_shape: Any, num_classes: int, *, norm: str = "batch"
     ) -> Any:
         key = (family, tuple(input_shape), num_classes, norm)
-        if key not in _candidate_cost_cache:
-            _candidate_cost_cache[key] = real_costs(family, input_shape, num_classes, norm=norm)
-        return _candidate_cost_cache[key]
+        if key not in cache:
+            cache[key] = real_costs(family, input_shape, num_classes, norm=norm)
+        return cache[key]
 
     monkeypatch.setattr(client_app.app, "load_bundle", load_bundle)
     monkeypatch.setattr(client_app.selection, "candidate_costs", candidate_costs)
+
+
+@pytest.fixture
+def fast_clients(
+    monkeypatch: pytest.MonkeyPatch,
+    digits_bundle: Any,
+    candidate_cost_cache: dict[tuple[Any, ...], Any],
+) -> Iterator[None]:
+    """Make the ClientApp handlers fast for one test (see install_fast_clients)."""
+    install_fast_clients(monkeypatch, digits_bundle, candidate_cost_cache)
+    with torch_threads(1):
+        yield
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run torch with ``count`` intra-op threads, then restore the previous count.
+
+    Tiny models train faster on one thread, and much faster when other processes
+    compete for the cores (OpenMP threads spin-wait for each other).
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def single_thread_torch() -> Iterator[None]:
+    """One torch thread for the duration of a test."""
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fake_grid_counts_as_simulation() -> Iterator[None]:
+    """Make the strategies treat FakeGrid like Flower's simulation grid.
+
+    Only in simulation do clients emulate run-config ``sim-device-profiles``
+    (``strategies.base.is_simulation``); the in-process FakeGrid stands in for it.
+    """
+    import strategies.base as base
+
+    real = base.is_simulation
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            base, "is_simulation", lambda grid: type(grid).__name__ == "FakeGrid" or real(grid)
+        )
+        yield

@@ -100,12 +100,6 @@ def test_numpy_values_are_serialised(tmp_path: Path) -> None:
     assert parsed == {"round": 3, "acc": 0.5, "counts": [1, 2], "archs": ["cnn-1"]}
 
 
-@pytest.mark.xfail(
-    reason="BUG: tessera/results.py _clean() only nulls Python floats; numpy float32 "
-    "scalars and NaNs inside numpy arrays go through _json_default after cleaning, so "
-    "dumps() writes the non-JSON token NaN",
-    strict=True,
-)
 @pytest.mark.parametrize(
     "value",
     [np.float32("nan"), np.array([0.5, np.nan])],

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
@@ -33,7 +33,14 @@ from tessera import wire
 from tessera.config import RunConfig
 from tessera.data import split_server_pool
 from tessera.results import ResultsWriter, plot_rounds
-from tests.conftest import FakeGrid, make_context, nan_first_float_array
+from tests.conftest import (
+    FakeGrid,
+    client_handlers,
+    install_fast_clients,
+    make_context,
+    nan_first_float_array,
+    torch_threads,
+)
 
 NODE_IDS = (11, 22, 33)
 WEAK_NODE = 11  # partition 0 -> cpu-small
@@ -64,57 +71,102 @@ class Federation:
         return [json.loads(line) for line in text.splitlines()]
 
 
-FederationRunner = Callable[..., Federation]
+def raise_in_train(msg: Message, context: Any) -> Message:
+    raise RuntimeError("CUDA out of memory")
 
 
-@pytest.fixture
+# Every federation the tests look at, run at most once per module (read-only results).
+RUNS: dict[str, dict[str, Any]] = {
+    **{name: {"strategy": name} for name in SCHEMES},
+    "fedavg-corrupt": {"strategy": "fedavg", "tamper": {22: nan_first_float_array}},
+    "fedavg-groups-corrupt": {"strategy": "fedavg-groups", "tamper": {22: nan_first_float_array}},
+    "fedavg-exclude": {
+        "strategy": "fedavg",
+        "overrides": {"fedavg-arch": "cnn-5", "fedavg-exclude-unfit": True},
+    },
+    "fedavg-forced": {"strategy": "fedavg", "overrides": {"fedavg-arch": "cnn-2"}, "rounds": 1},
+    "fedavg-groups-silent": {"strategy": "fedavg-groups", "silent": {(33, "train")}},
+    "fedavg-groups-raising": {
+        "strategy": "fedavg-groups",
+        "handlers": {"train": raise_in_train},
+        "rounds": 1,
+    },
+}
+
+
+def run_federation(
+    run_config: Mapping[str, Any],
+    bundle: Any,
+    run_dir: Path,
+    *,
+    num_rounds: int,
+    tamper: Mapping[int, Callable[[Message], Message | None]] | None = None,
+    silent: set[tuple[int, str]] | None = None,
+    handlers: Mapping[str, Callable[[Message, Any], Message]] | None = None,
+) -> Federation:
+    """Run a scheme as the ServerApp does, on a fake grid of three real ClientApps."""
+    contexts = {
+        node: make_context(node, run_config, {"partition-id": i, "num-partitions": 3})
+        for i, node in enumerate(NODE_IDS)
+    }
+    grid = FakeGrid(contexts)
+    grid.tamper.update(tamper or {})
+    grid.silent.update(silent or set())
+    grid.handlers.update(handlers or {})
+    run = RunConfig.from_flower(run_config)
+    scheme = get_scheme(run.strategy)
+    _, pool = split_server_pool(bundle, pool_fraction=run.server_pool_fraction, seed=run.seed)
+    env = ServerEnv(
+        run=run,
+        num_classes=bundle.num_classes,
+        input_shape=bundle.input_shape,
+        global_test=bundle.test,
+        server_pool=pool,
+        family=run.model_family or scheme.default_family,
+    )
+    server = scheme.server(
+        env=env, options=scheme.parse_options(run_config), results=ResultsWriter(run_dir)
+    )
+    result = server.start(grid, num_rounds=num_rounds, timeout=run.round_timeout)
+    return Federation(server, grid, result, run_dir)
+
+
+@pytest.fixture(scope="module")
 def federation(
-    fast_clients: None,
-    run_config: Callable[..., dict[str, Any]],
+    default_run_config: dict[str, Any],
     digits_bundle: Any,
-    tmp_path: Path,
-) -> FederationRunner:
-    """Run a scheme for ``num_rounds`` rounds, as the ServerApp does, on a fake grid."""
+    candidate_cost_cache: dict[tuple[Any, ...], Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], Federation]]:
+    """``federation(name)``: the finished run ``RUNS[name]``, run on first use."""
+    done: dict[str, Federation] = {}
+    with pytest.MonkeyPatch.context() as mp, torch_threads(1):
+        install_fast_clients(mp, digits_bundle, candidate_cost_cache)
 
-    def run(
-        strategy: str,
-        overrides: Mapping[str, Any] | None = None,
-        *,
-        num_rounds: int = 2,
-        tamper: Mapping[int, Callable[[Message], Message | None]] | None = None,
-        silent: set[tuple[int, str]] | None = None,
-        handlers: Mapping[str, Callable[[Message, Any], Message]] | None = None,
-    ) -> Federation:
-        config = run_config({**TINY, "strategy": strategy, **(overrides or {})})
-        contexts = {
-            node: make_context(node, config, {"partition-id": i, "num-partitions": 3})
-            for i, node in enumerate(NODE_IDS)
-        }
-        grid = FakeGrid(contexts)
-        grid.tamper.update(tamper or {})
-        grid.silent.update(silent or set())
-        grid.handlers.update(handlers or {})
-        run = RunConfig.from_flower(config)
-        scheme = get_scheme(run.strategy)
-        _, pool = split_server_pool(
-            digits_bundle, pool_fraction=run.server_pool_fraction, seed=run.seed
-        )
-        env = ServerEnv(
-            run=run,
-            num_classes=digits_bundle.num_classes,
-            input_shape=digits_bundle.input_shape,
-            global_test=digits_bundle.test,
-            server_pool=pool,
-            family=run.model_family or scheme.default_family,
-        )
-        run_dir = tmp_path / f"{strategy}-run"
-        server = scheme.server(
-            env=env, options=scheme.parse_options(config), results=ResultsWriter(run_dir)
-        )
-        result = server.start(grid, num_rounds=num_rounds, timeout=run.round_timeout)
-        return Federation(server, grid, result, run_dir)
+        def get(name: str) -> Federation:
+            if name not in done:
+                spec = RUNS[name]
+                config = {
+                    **default_run_config,
+                    **TINY,
+                    "strategy": spec["strategy"],
+                    **spec.get("overrides", {}),
+                }
+                done[name] = run_federation(
+                    config,
+                    digits_bundle,
+                    tmp_path_factory.mktemp(name) / "run",
+                    num_rounds=spec.get("rounds", 2),
+                    tamper=spec.get("tamper"),
+                    silent=spec.get("silent"),
+                    handlers=spec.get("handlers"),
+                )
+            return done[name]
 
-    return run
+        yield get
+
+
+FederationRunner = Callable[[str], Federation]
 
 
 def rank(arch: str) -> int:
@@ -171,7 +223,7 @@ def test_results_folder_has_two_metric_lines_and_config(
     # Assert
     lines = fed.metrics_lines()
     assert [line["round"] for line in lines] == [1, 2]
-    assert all(line["num_ok"] == 3 for line in lines)
+    assert [line["num_ok"] for line in lines] == [3, 3]
     config = json.loads((fed.run_dir / "config.json").read_text())
     assert config["scheme"] == strategy
     assert sorted(n["node"] for n in config["nodes"]) == list(NODE_IDS)
@@ -181,7 +233,7 @@ def test_results_folder_has_two_metric_lines_and_config(
 
 def test_weak_device_chooses_a_smaller_architecture(federation: FederationRunner) -> None:
     # Execute
-    fed = federation("fedavg-groups", num_rounds=1)
+    fed = federation("fedavg-groups")
 
     # Assert: the precondition of the FedAvg tests below
     choices = fed.node_choices()
@@ -213,8 +265,8 @@ def test_fedavg_assigns_everyone_the_smallest_chosen_arch(
 
 
 def test_fedavg_exclude_unfit_leaves_out_weaker_nodes(federation: FederationRunner) -> None:
-    # Execute
-    fed = federation("fedavg", {"fedavg-arch": "cnn-5", "fedavg-exclude-unfit": True})
+    # Execute: fedavg-arch=cnn-5, fedavg-exclude-unfit=true
+    fed = federation("fedavg-exclude")
 
     # Assert
     choices = fed.node_choices()
@@ -235,8 +287,8 @@ def test_fedavg_exclude_unfit_leaves_out_weaker_nodes(federation: FederationRunn
 def test_fedavg_forced_arch_without_exclusion_trains_everyone(
     federation: FederationRunner,
 ) -> None:
-    # Execute
-    fed = federation("fedavg", {"fedavg-arch": "cnn-2"}, num_rounds=1)
+    # Execute: fedavg-arch=cnn-2
+    fed = federation("fedavg-forced")
 
     # Assert
     (record,) = fed.server.rounds
@@ -247,52 +299,85 @@ def test_fedavg_forced_arch_without_exclusion_trains_everyone(
 def test_fedavg_global_model_is_example_weighted_average_of_accepted_replies(
     federation: FederationRunner,
 ) -> None:
-    # Prepare: node 22's reply is corrupted, so only 11 and 33 count
-    fed = federation("fedavg", tamper={22: nan_first_float_array})
-    round1 = fed.grid.replies_of("train")[:3]
-    accepted = [r for r in round1 if r.metadata.src_node_id != 22]
+    # Prepare: node 22's replies are corrupted, so only 11 and 33 count; the global
+    # model after the last round is the average of that round's accepted replies
+    fed = federation("fedavg-corrupt")
+    last_round = fed.grid.replies_of("train")[3:]
+    accepted = [r for r in last_round if r.metadata.src_node_id != 22]
     assert len(accepted) == 2
     counts = [int(r.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES]) for r in accepted]
     arrays = [wire.record_to_numpy(r.content.array_records[wire.ARRAYS]) for r in accepted]
 
-    # Execute: what the server sent in round 2 is the global model after round 1
-    round2 = fed.grid.sent_of("train")[3:]
-    sent = [sent_arrays(m) for m in round2]
+    # Execute
+    global_arrays = fed.server.global_arrays
 
-    # Assert
-    total = sum(counts)
-    assert {m.metadata.dst_node_id for m in round2} == set(NODE_IDS)
+    # Assert: (n1 * w1 + n2 * w2) / (n1 + n2), integers rounded to the nearest
+    assert list(global_arrays) == list(arrays[0])
+    total = counts[0] + counts[1]
     for key, first in arrays[0].items():
-        expected = (
-            counts[0] * first.astype(np.float64) + counts[1] * arrays[1][key].astype(np.float64)
-        ) / total
+        second = arrays[1][key]
+        expected = (counts[0] * first.astype(np.float64) + counts[1] * second) / total
         if np.issubdtype(first.dtype, np.integer):
             expected = np.rint(expected)
-        for payload in sent:
-            assert payload[key].dtype == first.dtype
-            assert payload[key].shape == first.shape
-            np.testing.assert_allclose(payload[key], expected, rtol=1e-6, atol=1e-7)
+        assert global_arrays[key].dtype == first.dtype
+        assert global_arrays[key].shape == first.shape
+        np.testing.assert_allclose(global_arrays[key], expected, rtol=1e-6, atol=1e-7)
 
 
 def test_fedavg_round_one_sends_the_seeded_initial_model(federation: FederationRunner) -> None:
     # Execute
-    fed = federation("fedavg", num_rounds=1)
+    fed = federation("fedavg")
 
-    # Assert: every node receives identical weights equal to the server's template
+    # Assert: every node receives the server's template weights (values)
     initial = fed.server.initial_arrays(fed.server.shared_arch)
-    for message in fed.grid.sent_of("train"):
+    for message in fed.grid.sent_of("train")[:3]:
         payload = sent_arrays(message)
         assert list(payload) == list(initial)
         for key, value in initial.items():
-            np.testing.assert_array_equal(payload[key], value)
+            np.testing.assert_array_equal(payload[key].reshape(value.shape), value)
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedavg-groups"])
-def test_corrupted_reply_is_rejected_and_global_model_stays_finite(
-    federation: FederationRunner, strategy: str
-) -> None:
+def test_fedavg_sends_weights_with_the_model_shapes(federation: FederationRunner) -> None:
     # Execute
-    fed = federation(strategy, tamper={22: nan_first_float_array})
+    fed = federation("fedavg")
+
+    # Assert
+    spec = fed.server.array_spec(fed.server.shared_arch)
+    for message in fed.grid.sent_of("train"):
+        payload = sent_arrays(message)
+        assert {k: (v.shape, str(v.dtype)) for k, v in payload.items()} == spec
+
+
+def test_numpy_to_record_round_trip_keeps_0d_shape() -> None:
+    # Prepare
+    arrays = {"bn.num_batches_tracked": np.array(7, dtype=np.int64)}
+
+    # Execute
+    back = wire.record_to_numpy(wire.numpy_to_record(arrays))
+
+    # Assert
+    assert back["bn.num_batches_tracked"].shape == ()
+    assert int(back["bn.num_batches_tracked"]) == 7
+
+
+def test_state_to_record_keeps_0d_shape() -> None:
+    # Prepare
+    state = {"n": torch.tensor(7), "w": torch.ones(2, 3)}
+
+    # Execute
+    back = wire.record_to_numpy(wire.state_to_record(state))
+
+    # Assert
+    assert back["n"].shape == ()
+    assert back["w"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", ["fedavg-corrupt", "fedavg-groups-corrupt"])
+def test_corrupted_reply_is_rejected_and_global_model_stays_finite(
+    federation: FederationRunner, name: str
+) -> None:
+    # Execute: node 22's train replies carry NaN weights
+    fed = federation(name)
 
     # Assert
     for record in fed.server.rounds:
@@ -311,7 +396,7 @@ def test_corrupted_reply_is_rejected_and_global_model_stays_finite(
 
 def test_node_that_never_replies_is_counted_as_failed(federation: FederationRunner) -> None:
     # Execute: node 33 answers the handshake but never a train message
-    fed = federation("fedavg-groups", silent={(33, "train")})
+    fed = federation("fedavg-groups-silent")
 
     # Assert
     for record in fed.server.rounds:
@@ -324,12 +409,8 @@ def test_node_that_never_replies_is_counted_as_failed(federation: FederationRunn
 
 
 def test_client_error_reply_is_rejected(federation: FederationRunner) -> None:
-    # Prepare: every ClientApp raises during training
-    def boom(msg: Message, context: Any) -> Message:
-        raise RuntimeError("CUDA out of memory")
-
-    # Execute
-    fed = federation("fedavg-groups", num_rounds=1, handlers={"train": boom})
+    # Execute: every ClientApp raises during training
+    fed = federation("fedavg-groups-raising")
 
     # Assert
     (record,) = fed.server.rounds
@@ -339,28 +420,62 @@ def test_client_error_reply_is_rejected(federation: FederationRunner) -> None:
     assert record["clients"] == []
 
 
+def test_too_few_nodes_after_handshake_stops_the_run(
+    fast_clients: None,
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    tmp_path: Path,
+) -> None:
+    # Prepare: node 22's handshake fails, node 33 never answers it; min-nodes is 2
+    real_handshake = client_handlers()[wire.HANDSHAKE]
+
+    def handshake(msg: Message, context: Any) -> Message:
+        if msg.metadata.dst_node_id == 22:
+            raise OSError("no such device")
+        return real_handshake(msg, context)
+
+    config = run_config({**TINY, "strategy": "local"})
+
+    # Execute / Assert
+    with pytest.raises(RuntimeError) as info:
+        run_federation(
+            config,
+            digits_bundle,
+            tmp_path / "run",
+            num_rounds=1,
+            handlers={wire.HANDSHAKE: handshake},
+            silent={(33, wire.HANDSHAKE)},
+        )
+    message = str(info.value)
+    assert "only 1 node(s) can take part but min-nodes=2" in message
+    assert "node 22: handshake failed (code 2): OSError: no such device" in message
+
+
 def test_bytes_down_of_fedavg_covers_the_model(federation: FederationRunner) -> None:
     # Execute
-    fed = federation("fedavg", num_rounds=1)
+    fed = federation("fedavg")
 
-    # Assert: each download carries at least the float32 weights of the shared arch
+    # Assert: each transfer carries at least the weights of the shared arch
     arrays = fed.server.initial_arrays(fed.server.shared_arch)
     weight_bytes = sum(a.nbytes for a in arrays.values())
-    (record,) = fed.server.rounds
-    for client in record["clients"]:
-        assert client["bytes_down"] >= weight_bytes
-        assert client["bytes_up"] >= weight_bytes
-    assert record["bytes_down_total"] == sum(c["bytes_down"] for c in record["clients"])
-    assert record["bytes_up_total"] == sum(c["bytes_up"] for c in record["clients"])
+    for record in fed.server.rounds:
+        for client in record["clients"]:
+            assert client["bytes_down"] >= weight_bytes
+            assert client["bytes_up"] >= weight_bytes
+        assert record["bytes_down_total"] == sum(c["bytes_down"] for c in record["clients"])
+        assert record["bytes_up_total"] == sum(c["bytes_up"] for c in record["clients"])
 
 
-def test_fedprox_sends_proximal_mu(federation: FederationRunner) -> None:
+def test_fedprox_sends_proximal_mu(
+    federation: FederationRunner, default_run_config: dict[str, Any]
+) -> None:
     # Execute
-    fed = federation("fedprox", {"proximal-mu": 0.25}, num_rounds=1)
+    fed = federation("fedprox")
 
     # Assert
     for message in fed.grid.sent_of("train"):
-        assert message.content.config_records[wire.CONFIG]["proximal-mu"] == 0.25
+        config = message.content.config_records[wire.CONFIG]
+        assert config["proximal-mu"] == default_run_config["proximal-mu"]
 
 
 # ------------------------------------------------------------------------- groups, local
@@ -378,13 +493,31 @@ def test_fedavg_groups_keeps_one_global_model_per_arch(federation: FederationRun
         assert {k: (v.shape, str(v.dtype)) for k, v in arrays.items()} == spec
     for record in fed.server.rounds:
         assert {c["node"]: c["arch"] for c in record["clients"]} == choices
-        assert record["group_sizes"] == dict(Counter(choices.values()))
+        assert record["group_sizes"] == dict(sorted(Counter(choices.values()).items()))
         assert set(record["global_accuracy_by_arch"]) == archs
     # each node receives its own group's model
     for message in fed.grid.sent_of("train"):
         node = message.metadata.dst_node_id
         assert message.content.config_records[wire.CONFIG]["arch"] == choices[node]
         assert set(sent_arrays(message)) == set(fed.server.array_spec(choices[node]))
+
+
+def test_fedavg_groups_single_member_group_takes_its_member_model(
+    federation: FederationRunner,
+) -> None:
+    # Prepare: the weak node is alone in its group
+    fed = federation("fedavg-groups")
+    arch = fed.node_choices()[WEAK_NODE]
+    last = [r for r in fed.grid.replies_of("train")[3:] if r.metadata.src_node_id == WEAK_NODE]
+    (reply,) = last
+    expected = wire.record_to_numpy(reply.content.array_records[wire.ARRAYS])
+
+    # Execute
+    group_model = fed.server.group_arrays[arch]
+
+    # Assert
+    for key, value in expected.items():
+        np.testing.assert_array_equal(group_model[key], value)
 
 
 def test_local_sends_and_receives_no_arrays(federation: FederationRunner) -> None:
@@ -577,14 +710,6 @@ def test_parse_handshake_rejects_bad_profiles(profile: dict[str, Any], fragment:
 
 
 # ------------------------------------------------------------- Flower's FedAvg reference
-@pytest.mark.xfail(
-    reason="BUG: strategies/flwr_fedavg.py writes client records without "
-    "'test_accuracy', and tessera/results.py plot_rounds reads c['test_accuracy'] for "
-    "every client, so server_app.main's final plot_rounds raises KeyError after every "
-    "flwr-fedavg run",
-    raises=KeyError,
-    strict=True,
-)
 def test_flwr_fedavg_rounds_can_be_plotted(
     fast_clients: None,
     run_config: Callable[..., dict[str, Any]],

@@ -303,13 +303,6 @@ def test_num_examples_as_whole_float_is_accepted() -> None:
     assert result.num_examples == 40
 
 
-@pytest.mark.xfail(
-    reason="BUG: strategies/validation.py:76 skips list-valued metrics, so a required "
-    "metric sent as a list is never stored: 'num-examples' then raises KeyError at "
-    "validation.py:83 and e.g. 'train-loss' is accepted and crashes the round later "
-    "(base.py _round_record reads rep.metrics['train-loss'])",
-    strict=True,
-)
 @pytest.mark.parametrize("key", [wire.NUM_EXAMPLES, wire.TRAIN_LOSS])
 def test_required_metric_sent_as_list_is_rejected(key: str) -> None:
     # Prepare
