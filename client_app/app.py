@@ -205,7 +205,6 @@ def _load_weights(model: torch.nn.Module, record: ArrayRecord) -> None:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the named architecture with the scheme's objective and report."""
-    from models import get_model
     from strategies import get_scheme
 
     run = RunConfig.from_flower(context.run_config)
@@ -222,7 +221,7 @@ def train(msg: Message, context: Context) -> Message:
     device = select_device(profile.accelerator)
 
     torch.manual_seed(run.seed + 1000 * (data.partition_id + 1))
-    model = get_model(arch, input_shape=input_shape, num_classes=num_classes, norm=run.norm)
+    model = algo.build_model(arch, input_shape=input_shape, num_classes=num_classes)
     if wire.ARRAYS in content.array_records:
         _load_weights(model, content.array_records[wire.ARRAYS])
     elif algo.keeps_personal_model and STATE_MODEL in context.state.array_records:
@@ -277,7 +276,6 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received weights on the local test split."""
-    from models import get_model
     from strategies import get_scheme
 
     run = RunConfig.from_flower(context.run_config)
@@ -288,8 +286,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
     data = load_node_data(run, node)
     num_classes, input_shape = _task_shape(config, data)
-    model = get_model(
-        algo.arch_for(config), input_shape=input_shape, num_classes=num_classes, norm=run.norm
+    model = algo.build_model(
+        algo.arch_for(config), input_shape=input_shape, num_classes=num_classes
     )
     _load_weights(model, content.array_records[wire.ARRAYS])
     loss, acc = evaluate_model(model, data.test, batch_size=256, device=torch.device("cpu"))

@@ -473,11 +473,7 @@ class HeteroStrategy(Strategy):
         new = sorted(connected - set(self.nodes) - set(self.excluded))
         if new:
             content = RecordDict(
-                {
-                    wire.CONFIG: ConfigRecord(
-                        {"server-round": 0, "simulation": is_simulation(grid)}
-                    )
-                }
+                {wire.CONFIG: ConfigRecord({"server-round": 0, "simulation": is_simulation(grid)})}
             )
             msgs = [
                 Message(

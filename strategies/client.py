@@ -15,6 +15,7 @@ from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
 from client_app.training import LossFn, cross_entropy_loss
+from models.base import TesseraModel
 from tessera.config import ConfigError, RunConfig
 from tessera.data import ArrayDataset
 
@@ -42,6 +43,18 @@ class ClientAlgorithm:
     def __init__(self, *, run: RunConfig, options: Any) -> None:
         self.run = run
         self.options = options
+
+    def build_model(
+        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+    ) -> TesseraModel:
+        """Build the model this scheme trains for ``arch`` (default: the zoo's model).
+
+        A scheme that changes the model (e.g. a projection to a shared feature
+        dimension) overrides this and the server strategy's ``build_model`` alike.
+        """
+        from models import get_model
+
+        return get_model(arch, input_shape=input_shape, num_classes=num_classes, norm=self.run.norm)
 
     def arch_for(self, config: ConfigRecord) -> str:
         """Return the architecture to train this round (the server names it)."""
