@@ -115,7 +115,7 @@ class NodeInfo:
 
 @dataclass
 class ExchangeResult:
-    """Replies of one exchange and the nodes that sent nothing in time."""
+    """Replies with content, and the nodes that failed (error reply or no reply)."""
 
     replies: list[Message]
     missing: dict[int, str]
@@ -160,7 +160,15 @@ def exchange(
     replies: list[Message] = []
     while pending:
         for reply in grid.pull_messages(list(pending)):
-            if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+            node = pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            if reply.has_error():
+                # Error replies come from the SuperLink on the node's behalf (node
+                # unavailable, ClientApp crashed or raised): the node failed.
+                err = reply.error
+                missing[node] = f"error {err.code}: {short_reason(err.reason or '')}"
+            else:
                 replies.append(reply)
         if not pending or time.monotonic() >= deadline:
             break
@@ -486,7 +494,8 @@ class HeteroStrategy(Strategy):
             ]
             outcome = exchange(grid, msgs, timeout=timeout)
             for node, reason in outcome.missing.items():
-                log.warning("handshake: node %d did not answer: %s", node, reason)
+                log.warning("handshake: node %d failed: %s", node, reason)
+                self._handshake_rejections.append(Rejection(node, reason))
             known = list_models()
             for reply in outcome.replies:
                 info = parse_handshake(reply, known)

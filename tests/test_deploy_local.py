@@ -178,11 +178,4 @@ def test_deploy_local_reports_a_supernode_stopped_during_round_two(tmp_path: Pat
 
     # Assert: the stopped node is reported as failed in round 2
     failed = {e["node"] for e in second["failed"]}
-    if failed != {lost} and any(e["node"] == SUPERLINK_NODE_ID for e in second["rejected"]):
-        pytest.xfail(
-            "app bug: the SuperLink's NODE_UNAVAILABLE reply has src_node_id=1 (the "
-            "SuperLink), so strategies/validation.py validate_reply rejects it as 'reply "
-            "from unknown node 1' instead of reporting the stopped node as failed; "
-            f"round 2 rejected={second['rejected']} failed={second['failed']}"
-        )
     assert failed == {lost}, second

@@ -408,15 +408,18 @@ def test_node_that_never_replies_is_counted_as_failed(federation: FederationRunn
     assert [line["num_failed"] for line in fed.metrics_lines()] == [1, 1]
 
 
-def test_client_error_reply_is_rejected(federation: FederationRunner) -> None:
-    # Execute: every ClientApp raises during training
+def test_client_error_reply_counts_as_failed_node(federation: FederationRunner) -> None:
+    # Execute: every ClientApp raises during training (Flower answers with an error
+    # reply on the node's behalf, as it does for NODE_UNAVAILABLE)
     fed = federation("fedavg-groups-raising")
 
     # Assert
     (record,) = fed.server.rounds
     assert record["num_ok"] == 0
-    assert record["num_rejected"] == 3
-    assert all("CUDA out of memory" in r["reason"] for r in record["rejected"])
+    assert record["num_rejected"] == 0
+    assert record["num_failed"] == 3
+    assert sorted(f["node"] for f in record["failed"]) == [11, 22, 33]
+    assert all("CUDA out of memory" in f["reason"] for f in record["failed"])
     assert record["clients"] == []
 
 
@@ -448,7 +451,7 @@ def test_too_few_nodes_after_handshake_stops_the_run(
         )
     message = str(info.value)
     assert "only 1 node(s) can take part but min-nodes=2" in message
-    assert "node 22: handshake failed (code 2): OSError: no such device" in message
+    assert "node 22: error 2: OSError: no such device" in message
 
 
 def test_bytes_down_of_fedavg_covers_the_model(federation: FederationRunner) -> None:

@@ -1,0 +1,242 @@
+"""The averaged kernel K_bar of heterogeneous FedHeNN, and how it travels.
+
+FedHeNN's heterogeneous variant aligns every client to ``K_bar = sum_j w_j K_j``, the
+weighted average of the clients' ``n x n`` kernels on the RAD. Shipping ``n x n``
+float32 kernels is ``4 n^2`` bytes each way (100 MB per client and round for the
+paper's RAD of 5000), so here:
+
+- clients send their representation ``A_j`` (``n x d_j``), never a kernel;
+- the server builds the centred ``K_bar`` (for the linear kernel only as a factor
+  ``Z`` with ``K_bar = Z Z^T``, never ``n x n``) and sends a low-rank factor ``F``
+  (``n x r``) with ``F F^T ~ K_bar``: the top eigenvectors holding a fraction
+  ``energy`` of ``||K_bar||_F^2``, scaled to a maximum magnitude of 1 and cast to
+  float16 (or float32);
+- a client aligns to ``F`` directly: the linear CKA of its representation and ``F``
+  equals the CKA of its kernel and ``F F^T`` (and the rows of ``F`` for a RAD subset
+  give that subset's kernel exactly).
+
+Each ``K_j`` is centred and scaled to unit Frobenius norm before averaging, so the
+weights ``w_j`` (not the arbitrary magnitude of each network's activations) decide
+how much each client counts; CKA itself is invariant to that scaling. The paper
+averages unscaled kernels.
+
+Truncating to rank ``r`` gives ``CKA(K_bar, K_r) = sqrt(energy captured)`` exactly;
+:func:`factorise` also measures the CKA between the exact and the transmitted
+(quantised) kernel, which is what :attr:`FactoredKernel.cka` reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strategies.fedhenn.cka import centre_kernel, kernel_cka, linear_cka, rbf_kernel
+
+__all__ = [
+    "EIGH_MAX_ROWS",
+    "ExactKernel",
+    "FactoredKernel",
+    "average_kernel",
+    "factorise",
+    "normalise_weights",
+]
+
+EIGH_MAX_ROWS = 2048
+"""Above this many rows an RBF ``K_bar`` is factorised by randomised SVD."""
+
+LOWRANK_MAX_RANK = 256
+"""Rank limit of the randomised factorisation of large RBF kernels."""
+
+
+class KernelAverageError(ValueError):
+    """The representations to average do not agree or carry no information."""
+
+
+@dataclass(frozen=True)
+class ExactKernel:
+    """The exact centred ``K_bar``, in the cheapest exact form.
+
+    Attributes
+    ----------
+    kernel : str
+        ``"linear"`` or ``"rbf"``.
+    z : np.ndarray | None
+        Linear kernel: ``n x D`` float64 with ``K_bar = z z^T``.
+    matrix : np.ndarray | None
+        RBF kernel: the ``n x n`` float64 matrix.
+    """
+
+    kernel: str
+    z: np.ndarray | None = None
+    matrix: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        """Number of RAD samples ``n``."""
+        source = self.z if self.z is not None else self.matrix
+        assert source is not None
+        return int(source.shape[0])
+
+
+@dataclass(frozen=True)
+class FactoredKernel:
+    """What the server ships: ``factor @ factor.T`` approximates ``K_bar``.
+
+    Attributes
+    ----------
+    factor : np.ndarray
+        ``n x r`` in the wire dtype (float16 or float32).
+    rank : int
+        ``r``.
+    energy : float
+        Fraction of ``||K_bar||_F^2`` kept by the rank-``r`` truncation.
+    cka : float
+        CKA between the exact ``K_bar`` and the transmitted ``factor factor^T``.
+    """
+
+    factor: np.ndarray
+    rank: int
+    energy: float
+    cka: float
+
+    @property
+    def nbytes(self) -> int:
+        """Raw size of the factor in bytes."""
+        return int(self.factor.nbytes)
+
+
+def normalise_weights(weights: Sequence[float]) -> np.ndarray:
+    """Return non-negative weights scaled to sum to 1.
+
+    Raises
+    ------
+    KernelAverageError
+        If a weight is negative or not finite, or they sum to 0.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise KernelAverageError(
+            f"kernel weights {list(weights)} must be finite, non-negative and sum to > 0"
+        )
+    return w / w.sum()
+
+
+def average_kernel(
+    representations: Sequence[np.ndarray], weights: Sequence[float], *, kernel: str
+) -> ExactKernel:
+    """Build the centred ``K_bar = sum_j w_j K_j / ||K_j||_F`` of the representations.
+
+    Parameters
+    ----------
+    representations : Sequence[np.ndarray]
+        One ``n x d_j`` representation per client (same ``n``, any ``d_j``).
+    weights : Sequence[float]
+        One non-negative weight per client (normalised here).
+    kernel : str
+        ``"linear"`` or ``"rbf"`` (median-distance bandwidth per client).
+
+    Returns
+    -------
+    ExactKernel
+        ``K_bar`` as a factor (linear) or a matrix (RBF), in float64.
+
+    Raises
+    ------
+    KernelAverageError
+        If the inputs disagree in rows, or a representation is constant.
+    """
+    if len(representations) != len(weights) or not representations:
+        raise KernelAverageError(
+            f"{len(representations)} representations but {len(weights)} weights; "
+            "pass one weight per representation, at least one"
+        )
+    w = normalise_weights(weights)
+    rows = {int(r.shape[0]) for r in representations}
+    if len(rows) != 1 or any(r.ndim != 2 for r in representations):
+        raise KernelAverageError(
+            "every representation must be an n x d matrix of the same n samples, got "
+            f"shapes {[tuple(r.shape) for r in representations]}"
+        )
+    if kernel == "linear":
+        parts = []
+        for weight, rep in zip(w, representations, strict=True):
+            a = rep.astype(np.float64)
+            a = a - a.mean(axis=0, keepdims=True)
+            norm = float(np.linalg.norm(a.T @ a))  # = ||A_c A_c^T||_F
+            if norm <= 0:
+                raise KernelAverageError("a representation is constant (zero norm after centring)")
+            parts.append(a * np.sqrt(weight / norm))
+        return ExactKernel(kernel, z=np.concatenate(parts, axis=1))
+    if kernel == "rbf":
+        total = np.zeros((rows.pop(),) * 2, dtype=np.float64)
+        for weight, rep in zip(w, representations, strict=True):
+            k = centre_kernel(rbf_kernel(torch.from_numpy(rep.astype(np.float64)))).numpy()
+            norm = float(np.linalg.norm(k))
+            if norm <= 0:
+                raise KernelAverageError("a representation is constant (zero norm after centring)")
+            total += weight * k / norm
+        return ExactKernel(kernel, matrix=total)
+    raise KernelAverageError(f"unknown kernel '{kernel}'; use 'linear' or 'rbf'")
+
+
+def _top_eigen(exact: ExactKernel) -> tuple[np.ndarray, np.ndarray, float]:
+    """Eigenvalues (descending, >= 0), eigenvectors and ``||K_bar||_F^2``."""
+    if exact.z is not None:
+        u, s, _ = np.linalg.svd(exact.z, full_matrices=False)
+        eig = s**2
+        return eig, u, float(np.sum(eig**2))
+    assert exact.matrix is not None
+    k = exact.matrix
+    total = float(np.sum(k * k))
+    if k.shape[0] <= EIGH_MAX_ROWS:
+        eig, vec = np.linalg.eigh(k)
+        eig, vec = eig[::-1], vec[:, ::-1]
+    else:
+        q = min(LOWRANK_MAX_RANK, k.shape[0])
+        u, s, _ = torch.svd_lowrank(torch.from_numpy(k), q=q, niter=4)
+        eig, vec = s.numpy(), u.numpy()
+    return np.clip(eig, 0.0, None), vec, total
+
+
+def factorise(exact: ExactKernel, *, energy: float, dtype: str) -> FactoredKernel:
+    """Low-rank, reduced-precision factor of ``K_bar`` and its measured fidelity.
+
+    Parameters
+    ----------
+    exact : ExactKernel
+        The exact centred ``K_bar``.
+    energy : float
+        Fraction of ``||K_bar||_F^2`` to keep, in ``(0, 1]``; the CKA of the
+        truncation is ``sqrt(energy)`` (before quantisation).
+    dtype : str
+        ``"float16"`` or ``"float32"``.
+
+    Returns
+    -------
+    FactoredKernel
+        The factor (``n x r``) and its rank, energy and CKA to the exact kernel.
+    """
+    if not 0.0 < energy <= 1.0:
+        raise ValueError(f"energy must be in (0, 1], got {energy}")
+    eig, vec, total = _top_eigen(exact)
+    if total <= 0 or eig.size == 0:
+        raise KernelAverageError("K_bar is zero; nothing to align to")
+    captured = np.cumsum(eig**2) / total
+    rank = int(min(np.searchsorted(captured, energy - 1e-12) + 1, eig.size))
+    factor = vec[:, :rank] * np.sqrt(eig[:rank])[None, :]
+    peak = float(np.max(np.abs(factor)))
+    if peak > 0:
+        factor = factor / peak  # CKA is scale invariant; keeps float16 in range
+    wire = factor.astype(np.dtype(dtype))
+    sent = torch.from_numpy(wire.astype(np.float64))
+    if exact.z is not None:
+        cka = float(linear_cka(torch.from_numpy(exact.z), sent))
+    else:
+        assert exact.matrix is not None
+        cka = float(kernel_cka(torch.from_numpy(exact.matrix), sent @ sent.T))
+    return FactoredKernel(
+        factor=np.ascontiguousarray(wire), rank=rank, energy=float(captured[rank - 1]), cka=cka
+    )

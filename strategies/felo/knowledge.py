@@ -1,0 +1,380 @@
+"""Per-class knowledge: what Felo, Velo and FedHe exchange instead of (or with) weights.
+
+Pure maths and the payload schema, no training:
+
+- on the client, :func:`class_means` averages a model's features and logits over its
+  training data per class label and keeps the counts (:func:`collect_knowledge` runs
+  the model);
+- on the server, :func:`merge_knowledge` averages the clients' per-class means,
+  weighted by their counts; a class only some clients hold is averaged over those,
+  a class nobody holds is absent from the result;
+- :func:`knowledge_to_record` / :func:`record_to_knowledge` are the wire format and
+  :func:`check_knowledge_record` validates a client's record before any arithmetic.
+
+Wire format (one :class:`~flwr.app.ArrayRecord`, kebab-case keys): ``class-ids``
+(int64, ``(K,)``, distinct, in ``[0, num_classes)``), ``counts`` (int64, ``(K,)``,
+positive), ``logits`` (float32, ``(K, num_classes)``) and, for schemes that exchange
+features, ``features`` (float32, ``(K, feature_dim)``). The client sends it as record
+``knowledge``; the server answers with its per-class targets in record
+``class-targets`` (same keys; ``counts`` are the summed client counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, RecordDict
+from torch import nn
+
+from tessera import wire
+from tessera.data import ArrayDataset
+
+KNOWLEDGE = "knowledge"
+"""Record name of a client's per-class knowledge in its train reply."""
+CLASS_TARGETS = "class-targets"
+"""Record name of the server's per-class targets in a train message."""
+
+CLASS_IDS = "class-ids"
+COUNTS = "counts"
+FEATURES = "features"
+LOGITS = "logits"
+
+
+class KnowledgeError(ValueError):
+    """Per-class knowledge whose parts disagree (lengths, shapes, class ids)."""
+
+
+@dataclass(frozen=True)
+class ClassKnowledge:
+    """Per-class mean features and logits with the number of samples behind each.
+
+    Attributes
+    ----------
+    class_ids : np.ndarray
+        int64 ``(K,)``: the classes present, ascending, distinct.
+    counts : np.ndarray
+        int64 ``(K,)``: samples per class, positive.
+    logits : np.ndarray
+        float32 ``(K, num_classes)``: mean logits per class.
+    features : np.ndarray | None
+        float32 ``(K, feature_dim)``: mean features per class, or ``None`` for
+        logits-only schemes (FedHe).
+    """
+
+    class_ids: np.ndarray
+    counts: np.ndarray
+    logits: np.ndarray
+    features: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        """Check that the parts agree (shapes are never left to broadcasting)."""
+        k = self.class_ids.shape[0] if self.class_ids.ndim == 1 else -1
+        if k < 0 or self.counts.shape != (k,):
+            raise KnowledgeError(
+                f"class_ids {self.class_ids.shape} and counts {self.counts.shape} must "
+                "both be 1-d of the same length"
+            )
+        if self.logits.ndim != 2 or self.logits.shape[0] != k:
+            raise KnowledgeError(f"logits must be ({k}, num_classes), got {self.logits.shape}")
+        if self.features is not None and (
+            self.features.ndim != 2 or self.features.shape[0] != k
+        ):
+            raise KnowledgeError(
+                f"features must be ({k}, feature_dim), got {self.features.shape}"
+            )
+        if len(np.unique(self.class_ids)) != k:
+            raise KnowledgeError(f"class ids {self.class_ids.tolist()} repeat a class")
+
+    @property
+    def num_classes_present(self) -> int:
+        """Number of classes this knowledge covers."""
+        return int(self.class_ids.shape[0])
+
+    def without_features(self) -> ClassKnowledge:
+        """The same knowledge with the features dropped (logits only)."""
+        return ClassKnowledge(self.class_ids, self.counts, self.logits, None)
+
+
+def class_means(
+    values: np.ndarray, labels: np.ndarray, num_classes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Average rows of ``values`` per label.
+
+    Parameters
+    ----------
+    values : np.ndarray
+        ``(N, D)`` rows.
+    labels : np.ndarray
+        ``(N,)`` integer labels in ``[0, num_classes)``.
+    num_classes : int
+        Number of classes of the task.
+
+    Returns
+    -------
+    tuple[np.ndarray, np.ndarray, np.ndarray]
+        ``class_ids`` (int64, the labels present, ascending), ``counts`` (int64) and
+        the per-class means (float32 ``(K, D)``, accumulated in float64).
+
+    Raises
+    ------
+    KnowledgeError
+        If the shapes disagree or a label is out of range.
+    """
+    if values.ndim != 2 or labels.shape != (values.shape[0],):
+        raise KnowledgeError(
+            f"values {values.shape} and labels {labels.shape} must be (N, D) and (N,)"
+        )
+    y = labels.astype(np.int64)
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise KnowledgeError(
+            f"labels span [{y.min()}, {y.max()}] but the task has {num_classes} classes"
+        )
+    counts_all = np.bincount(y, minlength=num_classes)
+    sums = np.zeros((num_classes, values.shape[1]), dtype=np.float64)
+    np.add.at(sums, y, values.astype(np.float64))
+    present = np.flatnonzero(counts_all > 0)
+    counts = counts_all[present].astype(np.int64)
+    means = sums[present] / counts[:, None]
+    return present.astype(np.int64), counts, means.astype(np.float32)
+
+
+def knowledge_from_arrays(
+    features: np.ndarray | None, logits: np.ndarray, labels: np.ndarray, num_classes: int
+) -> ClassKnowledge:
+    """Per-class knowledge of a dataset's features (optional) and logits.
+
+    Parameters
+    ----------
+    features : np.ndarray | None
+        ``(N, feature_dim)`` features, or ``None`` for logits only.
+    logits : np.ndarray
+        ``(N, num_classes)`` logits.
+    labels : np.ndarray
+        ``(N,)`` labels.
+    num_classes : int
+        Number of classes of the task.
+
+    Returns
+    -------
+    ClassKnowledge
+        Means and counts of the classes present.
+    """
+    ids, counts, mean_logits = class_means(logits, labels, num_classes)
+    mean_features = None
+    if features is not None:
+        _, _, mean_features = class_means(features, labels, num_classes)
+    return ClassKnowledge(ids, counts, mean_logits, mean_features)
+
+
+@torch.no_grad()
+def collect_knowledge(
+    model: nn.Module,
+    data: ArrayDataset,
+    *,
+    num_classes: int,
+    with_features: bool,
+    device: torch.device,
+    batch_size: int = 256,
+) -> ClassKnowledge:
+    """Run ``model`` (eval mode) over ``data`` and average features and logits per class.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A :class:`~models.base.TesseraModel` (``forward_features``/``forward_head``).
+    data : ArrayDataset
+        The client's training data.
+    num_classes : int
+        Number of classes of the task.
+    with_features : bool
+        Also average the features (Felo, Velo); logits only otherwise (FedHe).
+    device : torch.device
+        Where the model lives.
+    batch_size : int
+        Inference batch size.
+
+    Returns
+    -------
+    ClassKnowledge
+        The client's per-class knowledge.
+    """
+    model.eval()
+    feats: list[np.ndarray] = []
+    logits: list[np.ndarray] = []
+    for begin in range(0, len(data), batch_size):
+        x = torch.from_numpy(data.x[begin : begin + batch_size]).to(device)
+        z = model.forward_features(x)  # type: ignore[operator]
+        logits.append(model.forward_head(z).cpu().numpy())  # type: ignore[operator]
+        if with_features:
+            feats.append(z.cpu().numpy())
+    return knowledge_from_arrays(
+        np.concatenate(feats) if with_features else None,
+        np.concatenate(logits),
+        data.y,
+        num_classes,
+    )
+
+
+def merge_knowledge(parts: Sequence[ClassKnowledge], num_classes: int) -> ClassKnowledge:
+    """Count-weighted per-class average of several clients' knowledge.
+
+    For class ``c``: ``sum_k n_kc * mean_kc / sum_k n_kc`` over the clients ``k`` that
+    hold ``c``. Classes no client holds are absent from the result. Features are
+    merged only if every part has them.
+
+    Parameters
+    ----------
+    parts : Sequence[ClassKnowledge]
+        Validated client knowledge (same logit width; same feature width if any).
+    num_classes : int
+        Number of classes of the task.
+
+    Returns
+    -------
+    ClassKnowledge
+        Per-class averages with summed counts.
+
+    Raises
+    ------
+    KnowledgeError
+        If ``parts`` is empty or the widths disagree.
+    """
+    if not parts:
+        raise KnowledgeError("nothing to merge: no client knowledge was given")
+    with_features = all(p.features is not None for p in parts)
+    feature_dims = {p.features.shape[1] for p in parts if p.features is not None}
+    logit_dims = {p.logits.shape[1] for p in parts}
+    if logit_dims != {num_classes} or len(feature_dims) > 1:
+        raise KnowledgeError(
+            f"logit widths {sorted(logit_dims)} (expected {num_classes}) and feature "
+            f"widths {sorted(feature_dims)} must agree across clients"
+        )
+    counts = np.zeros(num_classes, dtype=np.int64)
+    logit_sums = np.zeros((num_classes, num_classes), dtype=np.float64)
+    dim = feature_dims.pop() if feature_dims else 0
+    feature_sums = np.zeros((num_classes, dim), dtype=np.float64)
+    for part in parts:
+        n = part.counts.astype(np.float64)[:, None]
+        counts[part.class_ids] += part.counts
+        logit_sums[part.class_ids] += n * part.logits.astype(np.float64)
+        if with_features:
+            assert part.features is not None
+            feature_sums[part.class_ids] += n * part.features.astype(np.float64)
+    present = np.flatnonzero(counts > 0)
+    total = counts[present].astype(np.float64)[:, None]
+    return ClassKnowledge(
+        class_ids=present.astype(np.int64),
+        counts=counts[present],
+        logits=(logit_sums[present] / total).astype(np.float32),
+        features=(feature_sums[present] / total).astype(np.float32) if with_features else None,
+    )
+
+
+# ----------------------------------------------------------------------------- wire
+def knowledge_to_record(knowledge: ClassKnowledge) -> ArrayRecord:
+    """Encode knowledge as an :class:`ArrayRecord` (see the module docstring)."""
+    arrays = {
+        CLASS_IDS: knowledge.class_ids.astype(np.int64),
+        COUNTS: knowledge.counts.astype(np.int64),
+        LOGITS: knowledge.logits.astype(np.float32),
+    }
+    if knowledge.features is not None:
+        arrays[FEATURES] = knowledge.features.astype(np.float32)
+    return wire.numpy_to_record(arrays)
+
+
+def record_to_knowledge(record: ArrayRecord) -> ClassKnowledge:
+    """Decode a record written by :func:`knowledge_to_record`.
+
+    Raises
+    ------
+    KnowledgeError
+        If an array is missing or the parts disagree.
+    """
+    arrays = wire.record_to_numpy(record)
+    missing = [k for k in (CLASS_IDS, COUNTS, LOGITS) if k not in arrays]
+    if missing:
+        raise KnowledgeError(f"knowledge record lacks {missing}")
+    return ClassKnowledge(
+        class_ids=arrays[CLASS_IDS],
+        counts=arrays[COUNTS],
+        logits=arrays[LOGITS],
+        features=arrays.get(FEATURES),
+    )
+
+
+def check_knowledge_record(
+    content: RecordDict, *, num_classes: int, feature_dim: int | None
+) -> str | None:
+    """Validate a client's ``knowledge`` record; return a reason to reject, or ``None``.
+
+    Checked before any arithmetic: the record is there with exactly the expected
+    arrays; class ids are a non-empty 1-d integer array of distinct values in
+    ``[0, num_classes)``; counts are positive integers, one per class, summing to the
+    reply's ``num-examples``; logits are ``(K, num_classes)`` and features
+    ``(K, feature_dim)``; every value is finite.
+
+    Parameters
+    ----------
+    content : RecordDict
+        The reply's records.
+    num_classes : int
+        Number of classes of the task.
+    feature_dim : int | None
+        Expected feature width, or ``None`` when no features may be sent (FedHe).
+
+    Returns
+    -------
+    str | None
+        Why the reply must be rejected, or ``None`` when it is fine.
+    """
+    if KNOWLEDGE not in content.array_records:
+        return f"record '{KNOWLEDGE}' missing"
+    record = content.array_records[KNOWLEDGE]
+    expected = {CLASS_IDS, COUNTS, LOGITS} | ({FEATURES} if feature_dim is not None else set())
+    if set(record) != expected:
+        return (
+            f"'{KNOWLEDGE}' holds {sorted(record)}, expected {sorted(expected)}"
+            + ("" if feature_dim is not None else " (this scheme exchanges logits only)")
+        )
+    try:
+        arrays = wire.record_to_numpy(record)
+    except Exception as err:
+        return f"'{KNOWLEDGE}' cannot be decoded: {err}"
+    ids, counts, logits = arrays[CLASS_IDS], arrays[COUNTS], arrays[LOGITS]
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        return f"'{CLASS_IDS}' must be a non-empty 1-d integer array, got {ids.dtype}{ids.shape}"
+    k = ids.shape[0]
+    bad = [int(c) for c in ids if not 0 <= int(c) < num_classes]
+    if bad:
+        return f"class id(s) {bad[:5]} out of range [0, {num_classes})"
+    if len(np.unique(ids)) != k:
+        return f"class ids {ids.tolist()} repeat a class"
+    if counts.shape != (k,) or not np.issubdtype(counts.dtype, np.integer):
+        return f"'{COUNTS}' must be {k} integers, got {counts.dtype}{counts.shape}"
+    if np.any(counts <= 0):
+        where = int(ids[int(np.argmin(counts))])
+        return f"count {int(counts.min())} of class {where} is not positive"
+    if wire.METRICS in content.metric_records:
+        num = content.metric_records[wire.METRICS].get(wire.NUM_EXAMPLES)
+        if isinstance(num, (int, float)) and int(counts.sum()) != int(num):
+            return f"counts sum to {int(counts.sum())} but the reply reports num-examples={num}"
+    shapes = {LOGITS: (k, num_classes)}
+    if feature_dim is not None:
+        shapes[FEATURES] = (k, feature_dim)
+    for key, shape in shapes.items():
+        value = arrays[key]
+        if value.shape != shape:
+            what = "feature dimension" if key == FEATURES else "logit width"
+            return (
+                f"'{key}' has shape {value.shape}, expected {shape} ({what} "
+                f"{value.shape[-1] if value.ndim else '?'} vs {shape[1]})"
+            )
+        if not np.issubdtype(value.dtype, np.floating):
+            return f"'{key}' must be floating point, got {value.dtype}"
+        if not np.all(np.isfinite(value)):
+            return f"'{key}' has non-finite values"
+    return None

@@ -1,0 +1,578 @@
+"""Felo, Velo and FedHe: heterogeneous models that share per-class features and logits.
+
+Paper: "Felo and Velo: data-free heterogeneous federated learning with mid-level
+features and logits" (sections 3 and 4). One room for three related schemes:
+
+``felo``
+    Each client trains, then sends the per-class means of its features (in the common
+    feature space, see :mod:`models.projection`) and logits with the class counts.
+    The server averages them per class, weighted by counts, and sends the averages
+    back as the next round's targets. With ``felo-share-weights=true`` (the default,
+    as in the paper) the weights are also averaged within each architecture group
+    (exactly ``fedavg-groups``); with ``false`` only knowledge crosses the network
+    and every client keeps its personal model in its state.
+``velo``
+    Felo whose server keeps a dataset of every per-class feature vector it received,
+    trains a conditional VAE (:mod:`strategies.felo.cvae`) on it every
+    ``cvae-interval`` rounds, and sends the decoder's synthetic per-class features
+    (the mean of ``cvae-samples`` decoded samples) instead of plain averages; logits
+    are averaged as in Felo. Training time and loss go to the round metrics
+    (``cvae_seconds``, ``cvae_loss``).
+``fedhe``
+    The FedHe baseline (Chan and Ngai, 2021): logits only, no features, no weights,
+    plain zoo models (no projection); personal models persist on the clients.
+
+Local objective, the paper's equation (1), per minibatch of ``N`` samples::
+
+    L = 1/N sum_i [ CE(z_i, y_i) + alpha * m_i * ( MSE(f_i, F[y_i]) + KL_T(Z[y_i] || z_i) ) ]
+
+with ``f_i``/``z_i`` the sample's features/logits, ``F[c]``/``Z[c]`` the server's
+targets of class ``c``, ``m_i = 1`` when the server has knowledge of ``y_i`` and 0
+otherwise (no target term; round 1 is plain cross-entropy), ``MSE`` the mean over the
+feature entries and ``KL_T(a || b) = T^2 * KL(softmax(a/T) || softmax(b/T))``, the
+distillation KL of Hinton et al. with the server's logits as the teacher. FedHe drops
+the MSE term.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional alias
+from flwr.app import ConfigRecord, RecordDict
+from torch import nn
+
+from client_app.training import LossFn
+from models.base import TesseraModel
+from models.projection import ProjectedModel
+from strategies.aggregation import weighted_average
+from strategies.base import HeteroStrategy
+from strategies.client import ClientAlgorithm, Record
+from strategies.felo.cvae import CVAE, CVAEConfig, CVAETrainResult, train_cvae
+from strategies.felo.knowledge import (
+    CLASS_TARGETS,
+    KNOWLEDGE,
+    ClassKnowledge,
+    check_knowledge_record,
+    collect_knowledge,
+    knowledge_to_record,
+    merge_knowledge,
+    record_to_knowledge,
+)
+from strategies.registry import Scheme, register_scheme
+from strategies.validation import ClientReply, ReplySchema
+from tessera import wire
+from tessera.config import ConfigError, ConfigReader, RunConfig
+from tessera.data import ArrayDataset
+
+log = logging.getLogger("flwr.tessera")
+
+
+# ------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class FeloOptions:
+    """Options of ``felo``, ``velo`` and ``fedhe``, read once from the run config.
+
+    Attributes
+    ----------
+    feature_dim : int
+        Size of the common feature space (``feature-dim``).
+    alpha : float
+        Weight of the target terms in equation (1) (``felo-alpha``).
+    temperature : float
+        Distillation temperature of the KL term (``felo-temperature``).
+    share_weights : bool
+        Average weights within architecture groups (``felo-share-weights``);
+        always false for ``fedhe``.
+    exchange_features : bool
+        Whether features are exchanged (``felo``, ``velo``) or logits only
+        (``fedhe``); set by the scheme, not by a key.
+    cvae_interval : int
+        Velo trains its CVAE in rounds 1, 1 + k, 1 + 2k, ... (``cvae-interval``).
+    cvae_latent_dim : int
+        Latent size of the CVAE (``cvae-latent-dim``).
+    cvae_hidden_dim : int
+        Hidden width of the CVAE's encoder and decoder (``cvae-hidden-dim``).
+    cvae_epochs : int
+        Epochs per CVAE training (``cvae-epochs``).
+    cvae_learning_rate : float
+        Adam learning rate of the CVAE (``cvae-learning-rate``).
+    cvae_samples : int
+        Decoded samples averaged into each class's synthetic feature
+        (``cvae-samples``).
+    cvae_history : int
+        Rounds of received features the CVAE trains on, 0 for all (``cvae-history``).
+    """
+
+    feature_dim: int = 128
+    alpha: float = 0.5
+    temperature: float = 1.0
+    share_weights: bool = True
+    exchange_features: bool = True
+    cvae_interval: int = 1
+    cvae_latent_dim: int = 16
+    cvae_hidden_dim: int = 128
+    cvae_epochs: int = 50
+    cvae_learning_rate: float = 1e-3
+    cvae_samples: int = 16
+    cvae_history: int = 0
+
+    @classmethod
+    def parse(cls, run_config: Mapping[str, Any]) -> FeloOptions:
+        """Read and validate the options (as for ``felo``).
+
+        Raises
+        ------
+        ConfigError
+            If a value is out of range; the message names the key and the fix.
+        """
+        r = ConfigReader(run_config, "run-config")
+        d = cls()
+        opts = cls(
+            feature_dim=r.get("feature-dim", int, d.feature_dim),
+            alpha=r.get("felo-alpha", float, d.alpha),
+            temperature=r.get("felo-temperature", float, d.temperature),
+            share_weights=r.get("felo-share-weights", bool, d.share_weights),
+            cvae_interval=r.get("cvae-interval", int, d.cvae_interval),
+            cvae_latent_dim=r.get("cvae-latent-dim", int, d.cvae_latent_dim),
+            cvae_hidden_dim=r.get("cvae-hidden-dim", int, d.cvae_hidden_dim),
+            cvae_epochs=r.get("cvae-epochs", int, d.cvae_epochs),
+            cvae_learning_rate=r.get("cvae-learning-rate", float, d.cvae_learning_rate),
+            cvae_samples=r.get("cvae-samples", int, d.cvae_samples),
+            cvae_history=r.get("cvae-history", int, d.cvae_history),
+        )
+        checks = (
+            ("feature-dim", opts.feature_dim >= 1, "use a positive size, e.g. 128 (512 for resnet)"),
+            ("felo-alpha", opts.alpha >= 0, "use a non-negative weight, e.g. 0.5"),
+            ("felo-temperature", opts.temperature > 0, "use a positive temperature, e.g. 1.0"),
+            ("cvae-interval", opts.cvae_interval >= 1, "train the CVAE every 1 or more rounds"),
+            ("cvae-latent-dim", opts.cvae_latent_dim >= 1, "use a positive size, e.g. 16"),
+            ("cvae-hidden-dim", opts.cvae_hidden_dim >= 1, "use a positive width, e.g. 128"),
+            ("cvae-epochs", opts.cvae_epochs >= 1, "use 1 or more epochs"),
+            ("cvae-learning-rate", opts.cvae_learning_rate > 0, "use a positive rate, e.g. 1e-3"),
+            ("cvae-samples", opts.cvae_samples >= 1, "average 1 or more samples per class"),
+            ("cvae-history", opts.cvae_history >= 0, "use 0 (all rounds) or a round count"),
+        )
+        for key, ok, fix in checks:
+            if not ok:
+                value = run_config.get(key)
+                raise ConfigError(f"run-config key '{key}' has invalid value {value!r}: {fix}")
+        return opts
+
+    @classmethod
+    def parse_fedhe(cls, run_config: Mapping[str, Any]) -> FeloOptions:
+        """Options for ``fedhe``: logits only, never weights."""
+        return replace(cls.parse(run_config), share_weights=False, exchange_features=False)
+
+    def cvae_config(self, num_classes: int) -> CVAEConfig:
+        """Settings of Velo's CVAE for a task with ``num_classes`` classes."""
+        return CVAEConfig(
+            feature_dim=self.feature_dim,
+            num_classes=num_classes,
+            latent_dim=self.cvae_latent_dim,
+            hidden_dim=self.cvae_hidden_dim,
+            epochs=self.cvae_epochs,
+            learning_rate=self.cvae_learning_rate,
+        )
+
+
+def build_scheme_model(
+    arch: str,
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm: str,
+    options: FeloOptions,
+) -> TesseraModel:
+    """Build the model a scheme trains: the zoo's, projected when features are exchanged."""
+    from models import get_model
+
+    model = get_model(arch, input_shape=input_shape, num_classes=num_classes, norm=norm)
+    if options.exchange_features:
+        return ProjectedModel(model, feature_dim=options.feature_dim)
+    return model
+
+
+# ------------------------------------------------------------------- client maths
+@dataclass(frozen=True)
+class ClassTargets:
+    """The server's per-class targets as lookup tables indexed by class id.
+
+    Attributes
+    ----------
+    known : torch.Tensor
+        bool ``(num_classes,)``: whether the server sent a target for the class.
+    logits : torch.Tensor
+        ``(num_classes, num_classes)`` target logits (zero rows where unknown).
+    features : torch.Tensor | None
+        ``(num_classes, feature_dim)`` target features, or ``None`` (logits only).
+    """
+
+    known: torch.Tensor
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+    @classmethod
+    def from_knowledge(cls, knowledge: ClassKnowledge, num_classes: int) -> ClassTargets:
+        """Scatter per-class knowledge into tables of ``num_classes`` rows."""
+        ids = torch.from_numpy(knowledge.class_ids.astype(np.int64))
+        known = torch.zeros(num_classes, dtype=torch.bool)
+        known[ids] = True
+        logits = torch.zeros((num_classes, knowledge.logits.shape[1]))
+        logits[ids] = torch.from_numpy(knowledge.logits.astype(np.float32))
+        features = None
+        if knowledge.features is not None:
+            features = torch.zeros((num_classes, knowledge.features.shape[1]))
+            features[ids] = torch.from_numpy(knowledge.features.astype(np.float32))
+        return cls(known, logits, features)
+
+    def to(self, device: torch.device) -> ClassTargets:
+        """Move the tables to ``device``."""
+        feats = None if self.features is None else self.features.to(device)
+        return ClassTargets(self.known.to(device), self.logits.to(device), feats)
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """The three terms of equation (1) for one minibatch (each a batch mean)."""
+
+    ce: torch.Tensor
+    mse: torch.Tensor
+    kl: torch.Tensor
+
+    def total(self, alpha: float) -> torch.Tensor:
+        """``ce + alpha * (mse + kl)``."""
+        out: torch.Tensor = self.ce + alpha * (self.mse + self.kl)
+        return out
+
+
+def loss_terms(
+    model: TesseraModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    targets: ClassTargets | None,
+    *,
+    temperature: float,
+) -> LossTerms:
+    """Compute the terms of equation (1) (see the module docstring).
+
+    Samples whose class has no target contribute 0 to ``mse`` and ``kl``; the sums
+    are divided by the full batch size, as in the equation's ``1/|D|``.
+
+    Parameters
+    ----------
+    model : TesseraModel
+        The client model (``forward_features``, ``forward_head``).
+    x, y : torch.Tensor
+        A minibatch and its labels.
+    targets : ClassTargets | None
+        The server's targets on ``x``'s device, or ``None`` (plain cross-entropy).
+    temperature : float
+        Distillation temperature ``T``.
+
+    Returns
+    -------
+    LossTerms
+        Cross-entropy, feature MSE and logit KL, each a scalar.
+    """
+    features = model.forward_features(x)
+    logits = model.forward_head(features)
+    ce = F.cross_entropy(logits, y)
+    zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
+    if targets is None:
+        return LossTerms(ce, zero, zero)
+    mask = targets.known[y].to(logits.dtype)
+    n = float(y.shape[0])
+    teacher = F.softmax(targets.logits[y] / temperature, dim=1)
+    student = F.log_softmax(logits / temperature, dim=1)
+    kl_each = F.kl_div(student, teacher, reduction="none").sum(dim=1) * temperature**2
+    kl = (kl_each * mask).sum() / n
+    mse = zero
+    if targets.features is not None:
+        mse_each = ((features - targets.features[y]) ** 2).mean(dim=1)
+        mse = (mse_each * mask).sum() / n
+    return LossTerms(ce, mse, kl)
+
+
+# --------------------------------------------------------------------- client side
+class FeloClient(ClientAlgorithm):
+    """Client of ``felo``/``velo``/``fedhe``: equation (1), then per-class knowledge.
+
+    Instantiating it with ``share_weights=false`` options gives a
+    :class:`FeloKnowledgeOnlyClient`, which sends no weights and keeps its personal
+    model in the client state (the ClientApp reads these two flags from the class).
+    """
+
+    keeps_personal_model = False
+    sends_weights = True
+
+    def __new__(cls, *, run: RunConfig, options: FeloOptions) -> FeloClient:
+        """Pick the weight-sharing or the knowledge-only variant from the options."""
+        if cls is FeloClient and not options.share_weights:
+            return super().__new__(FeloKnowledgeOnlyClient)
+        return super().__new__(cls)
+
+    def __init__(self, *, run: RunConfig, options: FeloOptions) -> None:
+        super().__init__(run=run, options=options)
+        self.targets: ClassTargets | None = None
+
+    @property
+    def felo(self) -> FeloOptions:
+        """The typed options."""
+        opts: FeloOptions = self.options
+        return opts
+
+    def build_model(
+        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+    ) -> TesseraModel:
+        """The zoo model, projected to ``feature-dim`` when features are exchanged."""
+        return build_scheme_model(
+            arch,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            norm=self.run.norm,
+            options=self.felo,
+        )
+
+    def begin_round(self, model: nn.Module, content: RecordDict) -> None:
+        """Read the server's per-class targets, if it sent any (none in round 1)."""
+        self.targets = None
+        if CLASS_TARGETS not in content.array_records:
+            return
+        config = content.config_records.get(wire.CONFIG, ConfigRecord())
+        num_classes = int(config.get("num-classes", 0))  # type: ignore[arg-type]
+        knowledge = record_to_knowledge(content.array_records[CLASS_TARGETS])
+        width = None if knowledge.features is None else knowledge.features.shape[1]
+        expected = self.felo.feature_dim if self.felo.exchange_features else None
+        if width != expected or knowledge.logits.shape[1] != num_classes:
+            raise ConfigError(
+                f"the server's class targets have feature width {width} and "
+                f"{knowledge.logits.shape[1]} logits but this client expects {expected} "
+                f"and {num_classes}; server and client disagree on run-config "
+                "'feature-dim' or the scheme"
+            )
+        device = next(model.parameters()).device
+        self.targets = ClassTargets.from_knowledge(knowledge, num_classes).to(device)
+
+    def loss_fn(self) -> LossFn:
+        """Equation (1): ``CE + alpha * (MSE + KL)`` against the server's targets."""
+        targets = self.targets
+        alpha, temperature = self.felo.alpha, self.felo.temperature
+
+        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            assert isinstance(model, TesseraModel)
+            return loss_terms(model, x, y, targets, temperature=temperature).total(alpha)
+
+        return loss
+
+    def extra_records(
+        self, model: nn.Module, train: ArrayDataset, device: torch.device
+    ) -> Mapping[str, Record]:
+        """The per-class mean features (if exchanged) and logits over the training data."""
+        assert isinstance(model, TesseraModel)
+        knowledge = collect_knowledge(
+            model,
+            train,
+            num_classes=model.num_classes,
+            with_features=self.felo.exchange_features,
+            device=device,
+        )
+        return {KNOWLEDGE: knowledge_to_record(knowledge)}
+
+
+class FeloKnowledgeOnlyClient(FeloClient):
+    """A Felo client that shares knowledge only and keeps a personal model."""
+
+    keeps_personal_model = True
+    sends_weights = False
+
+
+# --------------------------------------------------------------------- server side
+class FeloStrategy(HeteroStrategy):
+    """Felo's server: per-class averages of knowledge, FedAvg within architecture groups."""
+
+    name: ClassVar[str] = "felo"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.group_arrays: dict[str, dict[str, np.ndarray]] = {}
+        self.targets: ClassKnowledge | None = None
+
+    @property
+    def felo(self) -> FeloOptions:
+        """The typed options."""
+        opts: FeloOptions = self.options
+        return opts
+
+    def build_model(self, arch: str) -> nn.Module:
+        """The scheme's model of ``arch`` (projected when features are exchanged), seeded."""
+        torch.manual_seed(self.env.run.seed)
+        return build_scheme_model(
+            arch,
+            input_shape=self.env.input_shape,
+            num_classes=self.env.num_classes,
+            norm=self.env.run.norm,
+            options=self.felo,
+        )
+
+    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
+        """Config, the group's weights (when shared) and the per-class targets (if any)."""
+        content = super().node_content(server_round, node_id, arch)
+        if self.felo.share_weights:
+            if arch not in self.group_arrays:
+                self.group_arrays[arch] = self.initial_arrays(arch)
+            content[wire.ARRAYS] = wire.numpy_to_record(self.group_arrays[arch])
+        if self.targets is not None:
+            content[CLASS_TARGETS] = knowledge_to_record(self.targets)
+        return content
+
+    def reply_schema(self, node_id: int, arch: str) -> ReplySchema:
+        """Weights when shared, and a valid ``knowledge`` record."""
+        check = functools.partial(
+            check_knowledge_record,
+            num_classes=self.env.num_classes,
+            feature_dim=self.felo.feature_dim if self.felo.exchange_features else None,
+        )
+        arrays = self.array_spec(arch) if self.felo.share_weights else None
+        return ReplySchema(arrays=arrays, extra=check)
+
+    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """FedAvg within groups (when shared), then the next round's class targets."""
+        extra: dict[str, Any] = {}
+        if self.felo.share_weights:
+            groups: dict[str, list[ClientReply]] = {}
+            for reply in replies:
+                groups.setdefault(reply.arch, []).append(reply)
+            for arch, members in groups.items():
+                self.group_arrays[arch] = weighted_average(
+                    [m.arrays for m in members if m.arrays is not None],
+                    [m.num_examples for m in members],
+                )
+            extra["group_sizes"] = {a: len(m) for a, m in sorted(groups.items())}
+        parts = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in replies]
+        merged = merge_knowledge(parts, self.env.num_classes)
+        self.targets, target_metrics = self.make_targets(server_round, parts, merged)
+        extra["knowledge_classes"] = merged.num_classes_present
+        extra.update(target_metrics)
+        return extra
+
+    def make_targets(
+        self, server_round: int, parts: Sequence[ClassKnowledge], merged: ClassKnowledge
+    ) -> tuple[ClassKnowledge, dict[str, Any]]:
+        """Return the next round's targets and round metrics (Felo: the averages)."""
+        return merged, {}
+
+    def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
+        """One model per architecture group when weights are shared, else none."""
+        return dict(self.group_arrays) if self.felo.share_weights else {}
+
+    def describe(self) -> dict[str, Any]:
+        """The options (kebab-case)."""
+        return {k.replace("_", "-"): v for k, v in asdict(self.felo).items()}
+
+
+class VeloStrategy(FeloStrategy):
+    """Velo's server: synthetic per-class features from a conditional VAE."""
+
+    name: ClassVar[str] = "velo"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.feature_bank: list[tuple[int, np.ndarray, np.ndarray]] = []
+        """``(round, class ids, features)`` of every client reply kept."""
+        self.cvae: CVAE | None = None
+        self.last_training: CVAETrainResult | None = None
+
+    def bank_arrays(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
+        """The CVAE's training set: features and labels within ``cvae-history``."""
+        history = self.felo.cvae_history
+        rows = [
+            (ids, feats)
+            for rnd, ids, feats in self.feature_bank
+            if history == 0 or rnd > server_round - history
+        ]
+        return np.concatenate([f for _, f in rows]), np.concatenate([i for i, _ in rows])
+
+    def make_targets(
+        self, server_round: int, parts: Sequence[ClassKnowledge], merged: ClassKnowledge
+    ) -> tuple[ClassKnowledge, dict[str, Any]]:
+        """Store the received features, train the CVAE when due, decode class features."""
+        for part in parts:
+            assert part.features is not None  # checked by the reply schema
+            self.feature_bank.append((server_round, part.class_ids, part.features))
+        due = self.cvae is None or (server_round - 1) % self.felo.cvae_interval == 0
+        metrics: dict[str, Any] = {"cvae_trained": due, "cvae_seconds": 0.0, "cvae_loss": None}
+        if due:
+            features, labels = self.bank_arrays(server_round)
+            torch.manual_seed(self.env.run.seed)
+            self.cvae = CVAE(self.felo.cvae_config(self.env.num_classes))
+            with torch.enable_grad():
+                result = train_cvae(
+                    self.cvae, features, labels, seed=self.env.run.seed + server_round
+                )
+            self.last_training = result
+            log.info(
+                "round %d: CVAE trained on %d feature vectors in %.2fs, loss %.4f -> %.4f "
+                "(reconstruction %.4f)",
+                server_round,
+                result.num_samples,
+                result.seconds,
+                result.loss_history[0],
+                result.final_loss,
+                result.reconstruction_history[-1],
+            )
+            metrics.update(
+                cvae_seconds=result.seconds,
+                cvae_loss=result.final_loss,
+                cvae_reconstruction_loss=result.reconstruction_history[-1],
+                cvae_dataset_size=result.num_samples,
+            )
+        assert self.cvae is not None
+        gen = torch.Generator().manual_seed(self.env.run.seed * 1000 + server_round)
+        synthetic = self.cvae.generate(merged.class_ids, self.felo.cvae_samples, generator=gen)
+        features = synthetic.mean(dim=1).numpy().astype(np.float32)
+        return replace(merged, features=features), metrics
+
+
+class FedHeStrategy(FeloStrategy):
+    """FedHe's server: per-class averages of logits only, no weights."""
+
+    name: ClassVar[str] = "fedhe"
+
+
+FELO = register_scheme(
+    Scheme(
+        name="felo",
+        server=FeloStrategy,
+        client=FeloClient,
+        parse_options=FeloOptions.parse,
+        default_family="cnn",
+        description="Felo: per-class features and logits, FedAvg within architecture groups",
+    )
+)
+VELO = register_scheme(
+    Scheme(
+        name="velo",
+        server=VeloStrategy,
+        client=FeloClient,
+        parse_options=FeloOptions.parse,
+        default_family="cnn",
+        description="Velo: Felo with CVAE-generated per-class features on the server",
+    )
+)
+FEDHE = register_scheme(
+    Scheme(
+        name="fedhe",
+        server=FedHeStrategy,
+        client=FeloClient,
+        parse_options=FeloOptions.parse_fedhe,
+        default_family="cnn",
+        description="FedHe: per-class logits only, personal models, no weights shared",
+    )
+)
