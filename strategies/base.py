@@ -160,9 +160,10 @@ def exchange(
     replies: list[Message] = []
     while pending:
         for reply in grid.pull_messages(list(pending)):
-            node = pending.pop(reply.metadata.reply_to_message_id, None)
-            if node is None:
+            mid = reply.metadata.reply_to_message_id
+            if mid not in pending:
                 continue
+            node = pending.pop(mid)
             if reply.has_error():
                 # Error replies come from the SuperLink on the node's behalf (node
                 # unavailable, ClientApp crashed or raised): the node failed.
