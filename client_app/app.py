@@ -186,7 +186,7 @@ def handshake(msg: Message, context: Context) -> Message:
 def _load_weights(model: torch.nn.Module, record: ArrayRecord) -> None:
     state = record.to_torch_state_dict()
     own = model.state_dict()
-    missing = [k for k in own if k not in state]
+    missing = [k for k in own if k not in state and wire.is_exchanged(k)]
     unexpected = [k for k in state if k not in own]
     wrong = [
         f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
@@ -199,7 +199,7 @@ def _load_weights(model: torch.nn.Module, record: ArrayRecord) -> None:
             f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}; server and client "
             "disagree on the architecture or the task (classes, input shape)"
         )
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=False)
 
 
 @app.train()

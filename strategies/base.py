@@ -296,7 +296,7 @@ class HeteroStrategy(Strategy):
         if arch not in self._templates:
             model = self.build_model(arch)
             self._templates[arch] = {
-                k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()
+                k: v.numpy().copy() for k, v in wire.exchanged_state(model.state_dict()).items()
             }
         return {k: v.copy() for k, v in self._templates[arch].items()}
 
@@ -557,7 +557,9 @@ class HeteroStrategy(Strategy):
         out: dict[str, float] = {}
         for arch, arrays in self.global_models().items():
             model = self.build_model(arch)
-            model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+            model.load_state_dict(
+                {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}, strict=False
+            )
             _, acc = evaluate_model(
                 model, self.env.global_test, batch_size=256, device=torch.device("cpu")
             )

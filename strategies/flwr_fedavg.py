@@ -126,7 +126,7 @@ class FlowerFedAvgRunner:
 
         def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             model = self._model()
-            model.load_state_dict(arrays.to_torch_state_dict())
+            model.load_state_dict(arrays.to_torch_state_dict(), strict=False)
             _, acc = evaluate_model(
                 model, self.env.global_test, batch_size=256, device=torch.device("cpu")
             )

@@ -59,9 +59,27 @@ def payload_bytes(content: RecordDict) -> int:
     return int(recorddict_to_proto(content).ByteSize())
 
 
+LOCAL_ONLY_SUFFIXES = ("num_batches_tracked",)
+"""State entries that never travel: batch-norm step counters are local bookkeeping
+(averaging them means nothing), and identical counters in several nodes' replies are
+identical objects in Flower 1.30's content-addressed object store, where a reply
+that shares an object with one the server is deleting can be lost (an SQLite
+``FOREIGN KEY constraint failed`` in the SuperLink log)."""
+
+
+def is_exchanged(name: str) -> bool:
+    """Whether a ``state_dict`` entry is sent over the wire."""
+    return not name.endswith(LOCAL_ONLY_SUFFIXES)
+
+
+def exchanged_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of a ``state_dict`` that are exchanged (CPU copies)."""
+    return {k: v.detach().cpu() for k, v in state.items() if is_exchanged(k)}
+
+
 def state_to_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """Convert a model ``state_dict`` to an :class:`ArrayRecord` (CPU copies)."""
-    return ArrayRecord({k: v.detach().cpu() for k, v in state.items()})
+    """Convert the exchanged entries of a ``state_dict`` to an :class:`ArrayRecord`."""
+    return ArrayRecord(exchanged_state(state))
 
 
 def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
