@@ -73,7 +73,7 @@ def is_exchanged(name: str) -> bool:
 
 
 def exchanged_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The entries of a ``state_dict`` that are exchanged (CPU copies)."""
+    """Return the entries of a ``state_dict`` that are exchanged (CPU copies)."""
     return {k: v.detach().cpu() for k, v in state.items() if is_exchanged(k)}
 
 
