@@ -25,7 +25,9 @@ inputs are scaled to unit Frobenius norm first (CKA is invariant to isotropic
 scaling, so this is exact and rules out overflow); arithmetic runs in float64 from
 :data:`FLOAT64_MIN_ROWS` rows on (or when the input is float64); a zero norm gives
 CKA 0 with finite zero gradients instead of NaN; squared distances are clamped at 0;
-the result is clamped to ``[0, 1]``.
+the result is clamped to ``[0, 1]`` (straight-through: the gradient is that of the
+unclamped estimate, which matters for the unbiased estimator, whose estimate can be
+negative).
 """
 
 from __future__ import annotations
@@ -78,8 +80,7 @@ def _check_matrix(x: Tensor, name: str) -> None:
 def _check_rows(a: Tensor, b: Tensor, *, unbiased: bool) -> int:
     if a.shape[0] != b.shape[0]:
         raise CKAInputError(
-            f"both inputs must describe the same samples: {a.shape[0]} rows vs "
-            f"{b.shape[0]} rows"
+            f"both inputs must describe the same samples: {a.shape[0]} rows vs {b.shape[0]} rows"
         )
     rows = int(a.shape[0])
     minimum = 4 if unbiased else 2
@@ -100,12 +101,15 @@ def _safe_scale(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _ratio(num: Tensor, den_a: Tensor, den_b: Tensor, ok: Tensor) -> Tensor:
-    """``num / sqrt(den_a * den_b)`` where defined, else 0; clamped to [0, 1]."""
+    """``num / sqrt(den_a * den_b)`` where defined, else 0; the value clamped to [0, 1]."""
     prod = den_a * den_b
     ok = ok & (prod > torch.finfo(prod.dtype).tiny)
     safe = torch.where(ok, prod, torch.ones_like(prod))
     value = torch.where(ok, num / torch.sqrt(safe), torch.zeros_like(num))
-    return value.clamp(0.0, 1.0)
+    # Straight-through clamp: the value is in [0, 1] (the unbiased estimate can fall
+    # below 0, rounding can exceed 1) but the gradient is the estimator's own, so a
+    # negative unbiased estimate still pulls the representations together.
+    return value + (value.clamp(0.0, 1.0) - value).detach()
 
 
 def centre_kernel(k: Tensor) -> Tensor:
@@ -180,9 +184,9 @@ def rbf_kernel(a: Tensor, sigma: float | Tensor | None = None) -> Tensor:
 
 
 # --------------------------------------------------------------------------------- HSIC
-def _hsic_biased_kernels(k: Tensor, l_centred: Tensor) -> Tensor:
-    """``tr(K H L H)`` up to the constant ``(n-1)^2`` (cancels in CKA)."""
-    return (k * l_centred).sum()
+def _hsic_biased_kernels(k: Tensor, l: Tensor) -> Tensor:  # noqa: E741 - HSIC notation
+    """``tr(K H L H)`` of centred kernels, up to the ``(n-1)^2`` that cancels in CKA."""
+    return (k * l).sum()
 
 
 def _hsic_unbiased_kernels(k: Tensor, l: Tensor) -> Tensor:  # noqa: E741 - HSIC notation
@@ -216,7 +220,8 @@ def kernel_cka(k: Tensor, l: Tensor, *, unbiased: bool = False) -> Tensor:  # no
     Parameters
     ----------
     k, l : Tensor
-        Symmetric kernel matrices of the same ``n`` samples.
+        Symmetric kernel matrices of the same ``n`` samples (``l`` as in the
+        paper's notation ``HSIC(K, L)``).
     unbiased : bool
         Use the unbiased HSIC estimator (needs ``n >= 4``) instead of the biased one.
 
@@ -235,19 +240,18 @@ def kernel_cka(k: Tensor, l: Tensor, *, unbiased: bool = False) -> Tensor:  # no
     rows = _check_rows(k, l, unbiased=unbiased)
     out_dtype = k.dtype
     dtype = _work_dtype(k, rows)
-    k, l = k.to(dtype), l.to(dtype)
+    first, second = k.to(dtype), l.to(dtype)
     if unbiased:
-        k, ok_k = _safe_scale(k)
-        l, ok_l = _safe_scale(l)
-        hkl = _hsic_unbiased_kernels(k, l)
-        hkk = _hsic_unbiased_kernels(k, k)
-        hll = _hsic_unbiased_kernels(l, l)
+        first, ok_k = _safe_scale(first)
+        second, ok_l = _safe_scale(second)
+        hsic = _hsic_unbiased_kernels
     else:
-        k, ok_k = _safe_scale(centre_kernel(k))
-        l, ok_l = _safe_scale(centre_kernel(l))
-        hkl = _hsic_biased_kernels(k, l)
-        hkk = _hsic_biased_kernels(k, k)
-        hll = _hsic_biased_kernels(l, l)
+        first, ok_k = _safe_scale(centre_kernel(first))
+        second, ok_l = _safe_scale(centre_kernel(second))
+        hsic = _hsic_biased_kernels
+    hkl = hsic(first, second)
+    hkk = hsic(first, first)
+    hll = hsic(second, second)
     return _ratio(hkl, hkk, hll, ok_k & ok_l).to(out_dtype)
 
 
@@ -325,6 +329,6 @@ def rbf_cka(
     rows = _check_rows(a, b, unbiased=unbiased)
     out_dtype = a.dtype
     dtype = _work_dtype(a, rows)
-    k = rbf_kernel(a.to(dtype), sigma)
-    l = rbf_kernel(b.to(dtype), sigma)  # noqa: E741
-    return kernel_cka(k, l, unbiased=unbiased).to(out_dtype)
+    kernel_a = rbf_kernel(a.to(dtype), sigma)
+    kernel_b = rbf_kernel(b.to(dtype), sigma)
+    return kernel_cka(kernel_a, kernel_b, unbiased=unbiased).to(out_dtype)

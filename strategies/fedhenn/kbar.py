@@ -121,7 +121,8 @@ def normalise_weights(weights: Sequence[float]) -> np.ndarray:
         raise KernelAverageError(
             f"kernel weights {list(weights)} must be finite, non-negative and sum to > 0"
         )
-    return w / w.sum()
+    normalised: np.ndarray = w / w.sum()
+    return normalised
 
 
 def average_kernel(
@@ -196,8 +197,8 @@ def _top_eigen(exact: ExactKernel) -> tuple[np.ndarray, np.ndarray, float]:
         eig, vec = eig[::-1], vec[:, ::-1]
     else:
         q = min(LOWRANK_MAX_RANK, k.shape[0])
-        u, s, _ = torch.svd_lowrank(torch.from_numpy(k), q=q, niter=4)
-        eig, vec = s.numpy(), u.numpy()
+        left, values, _ = torch.svd_lowrank(torch.from_numpy(k), q=q, niter=4)
+        eig, vec = values.numpy(), left.numpy()
     return np.clip(eig, 0.0, None), vec, total
 
 
@@ -225,7 +226,7 @@ def factorise(exact: ExactKernel, *, energy: float, dtype: str) -> FactoredKerne
     if total <= 0 or eig.size == 0:
         raise KernelAverageError("K_bar is zero; nothing to align to")
     captured = np.cumsum(eig**2) / total
-    rank = int(min(np.searchsorted(captured, energy - 1e-12) + 1, eig.size))
+    rank = min(int(np.searchsorted(captured, energy - 1e-12)) + 1, int(eig.size))
     factor = vec[:, :rank] * np.sqrt(eig[:rank])[None, :]
     peak = float(np.max(np.abs(factor)))
     if peak > 0:
