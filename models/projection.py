@@ -1,4 +1,4 @@
-"""A common feature space for heterogeneous models: project, then classify.
+r"""A common feature space for heterogeneous models: project, then classify.
 
 Schemes that exchange representations across architectures (Felo, Velo) need every
 model's :meth:`~models.base.TesseraModel.forward_features` to live in one space of one
@@ -7,7 +7,7 @@ size. The paper's ResNets all produce 512-d features; Tessera's families do not 
 zoo model and puts a learned projection between its body and a new head::
 
     x -> body.forward_features -> Linear(native, feature_dim) -> ReLU -> head -> logits
-                                  \\______ projection ______/
+                                  \______ projection ______/
                                           forward_features of the wrapper
 
 The projection is ``Linear + ReLU`` (no normalisation): the ReLU keeps the shared

@@ -4,7 +4,7 @@
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-from strategies import fedavg, fedavg_groups, fedprox, flwr_fedavg, local
+from strategies import fedavg, fedavg_groups, fedhenn, fedprox, felo, flwr_fedavg, local
 from strategies.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
 
 __all__ = [
@@ -12,7 +12,9 @@ __all__ = [
     "SchemeError",
     "fedavg",
     "fedavg_groups",
+    "fedhenn",
     "fedprox",
+    "felo",
     "flwr_fedavg",
     "get_scheme",
     "list_schemes",

@@ -36,6 +36,32 @@ def test_defaults_parse(default_run_config: dict[str, Any]) -> None:
 def test_to_dict_uses_kebab_case_keys_of_pyproject(default_run_config: dict[str, Any]) -> None:
     # Prepare: scheme-specific keys are read by the schemes, not by RunConfig
     scheme_keys = {"proximal-mu", "fedavg-arch", "fedavg-exclude-unfit"}
+    scheme_keys |= {  # fedhenn
+        "fedhenn-mode",
+        "cka-kernel",
+        "cka-estimator",
+        "eta0",
+        "eta-schedule",
+        "rad-size",
+        "rad-batch",
+        "align-every",
+        "kbar-weights",
+        "kbar-energy",
+        "fedhenn-precision",
+    }
+    scheme_keys |= {  # felo / velo
+        "feature-dim",
+        "felo-alpha",
+        "felo-temperature",
+        "felo-share-weights",
+        "cvae-interval",
+        "cvae-latent-dim",
+        "cvae-hidden-dim",
+        "cvae-epochs",
+        "cvae-learning-rate",
+        "cvae-samples",
+        "cvae-history",
+    }
 
     # Execute
     out = RunConfig.from_flower(default_run_config).to_dict()

@@ -10,10 +10,10 @@ Importing this package registers the schemes ``felo``, ``velo`` and ``fedhe``:
 """
 
 from strategies.felo.scheme import (
+    FedHeStrategy,
     FeloClient,
     FeloOptions,
     FeloStrategy,
-    FedHeStrategy,
     VeloStrategy,
 )
 

@@ -79,12 +79,8 @@ class ClassKnowledge:
             )
         if self.logits.ndim != 2 or self.logits.shape[0] != k:
             raise KnowledgeError(f"logits must be ({k}, num_classes), got {self.logits.shape}")
-        if self.features is not None and (
-            self.features.ndim != 2 or self.features.shape[0] != k
-        ):
-            raise KnowledgeError(
-                f"features must be ({k}, feature_dim), got {self.features.shape}"
-            )
+        if self.features is not None and (self.features.ndim != 2 or self.features.shape[0] != k):
+            raise KnowledgeError(f"features must be ({k}, feature_dim), got {self.features.shape}")
         if len(np.unique(self.class_ids)) != k:
             raise KnowledgeError(f"class ids {self.class_ids.tolist()} repeat a class")
 
@@ -94,7 +90,7 @@ class ClassKnowledge:
         return int(self.class_ids.shape[0])
 
     def without_features(self) -> ClassKnowledge:
-        """The same knowledge with the features dropped (logits only)."""
+        """Return the same knowledge without the features (logits only)."""
         return ClassKnowledge(self.class_ids, self.counts, self.logits, None)
 
 
@@ -276,7 +272,7 @@ def merge_knowledge(parts: Sequence[ClassKnowledge], num_classes: int) -> ClassK
 # ----------------------------------------------------------------------------- wire
 def knowledge_to_record(knowledge: ClassKnowledge) -> ArrayRecord:
     """Encode knowledge as an :class:`ArrayRecord` (see the module docstring)."""
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         CLASS_IDS: knowledge.class_ids.astype(np.int64),
         COUNTS: knowledge.counts.astype(np.int64),
         LOGITS: knowledge.logits.astype(np.float32),
@@ -336,15 +332,14 @@ def check_knowledge_record(
     record = content.array_records[KNOWLEDGE]
     expected = {CLASS_IDS, COUNTS, LOGITS} | ({FEATURES} if feature_dim is not None else set())
     if set(record) != expected:
-        return (
-            f"'{KNOWLEDGE}' holds {sorted(record)}, expected {sorted(expected)}"
-            + ("" if feature_dim is not None else " (this scheme exchanges logits only)")
+        return f"'{KNOWLEDGE}' holds {sorted(record)}, expected {sorted(expected)}" + (
+            "" if feature_dim is not None else " (this scheme exchanges logits only)"
         )
     try:
         arrays = wire.record_to_numpy(record)
     except Exception as err:
         return f"'{KNOWLEDGE}' cannot be decoded: {err}"
-    ids, counts, logits = arrays[CLASS_IDS], arrays[COUNTS], arrays[LOGITS]
+    ids, counts = arrays[CLASS_IDS], arrays[COUNTS]
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         return f"'{CLASS_IDS}' must be a non-empty 1-d integer array, got {ids.dtype}{ids.shape}"
     k = ids.shape[0]

@@ -107,7 +107,8 @@ class FeloOptions:
         Decoded samples averaged into each class's synthetic feature
         (``cvae-samples``).
     cvae_history : int
-        Rounds of received features the CVAE trains on, 0 for all (``cvae-history``).
+        Rounds of received features the CVAE trains on and the server keeps, 0 for
+        all (``cvae-history``; the paper keeps all, so memory grows with the rounds).
     """
 
     feature_dim: int = 128
@@ -118,7 +119,7 @@ class FeloOptions:
     cvae_interval: int = 1
     cvae_latent_dim: int = 16
     cvae_hidden_dim: int = 128
-    cvae_epochs: int = 50
+    cvae_epochs: int = 100
     cvae_learning_rate: float = 1e-3
     cvae_samples: int = 16
     cvae_history: int = 0
@@ -148,7 +149,11 @@ class FeloOptions:
             cvae_history=r.get("cvae-history", int, d.cvae_history),
         )
         checks = (
-            ("feature-dim", opts.feature_dim >= 1, "use a positive size, e.g. 128 (512 for resnet)"),
+            (
+                "feature-dim",
+                opts.feature_dim >= 1,
+                "use a positive size, e.g. 128 (512 for resnet)",
+            ),
             ("felo-alpha", opts.alpha >= 0, "use a non-negative weight, e.g. 0.5"),
             ("felo-temperature", opts.temperature > 0, "use a positive temperature, e.g. 1.0"),
             ("cvae-interval", opts.cvae_interval >= 1, "train the CVAE every 1 or more rounds"),
@@ -171,7 +176,7 @@ class FeloOptions:
         return replace(cls.parse(run_config), share_weights=False, exchange_features=False)
 
     def cvae_config(self, num_classes: int) -> CVAEConfig:
-        """Settings of Velo's CVAE for a task with ``num_classes`` classes."""
+        """Return the settings of Velo's CVAE for a task with ``num_classes`` classes."""
         return CVAEConfig(
             feature_dim=self.feature_dim,
             num_classes=num_classes,
@@ -331,7 +336,7 @@ class FeloClient(ClientAlgorithm):
     def build_model(
         self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
     ) -> TesseraModel:
-        """The zoo model, projected to ``feature-dim`` when features are exchanged."""
+        """Build the zoo model, projected to ``feature-dim`` when features are exchanged."""
         return build_scheme_model(
             arch,
             input_shape=input_shape,
@@ -374,7 +379,7 @@ class FeloClient(ClientAlgorithm):
     def extra_records(
         self, model: nn.Module, train: ArrayDataset, device: torch.device
     ) -> Mapping[str, Record]:
-        """The per-class mean features (if exchanged) and logits over the training data."""
+        """Return the per-class mean features (if exchanged) and logits of the training data."""
         assert isinstance(model, TesseraModel)
         knowledge = collect_knowledge(
             model,
@@ -411,7 +416,7 @@ class FeloStrategy(HeteroStrategy):
         return opts
 
     def build_model(self, arch: str) -> nn.Module:
-        """The scheme's model of ``arch`` (projected when features are exchanged), seeded."""
+        """Build the scheme's model of ``arch`` (projected if features are exchanged), seeded."""
         torch.manual_seed(self.env.run.seed)
         return build_scheme_model(
             arch,
@@ -473,7 +478,7 @@ class FeloStrategy(HeteroStrategy):
         return dict(self.group_arrays) if self.felo.share_weights else {}
 
     def describe(self) -> dict[str, Any]:
-        """The options (kebab-case)."""
+        """Return the options (kebab-case keys)."""
         return {k.replace("_", "-"): v for k, v in asdict(self.felo).items()}
 
 
@@ -488,9 +493,11 @@ class VeloStrategy(FeloStrategy):
         """``(round, class ids, features)`` of every client reply kept."""
         self.cvae: CVAE | None = None
         self.last_training: CVAETrainResult | None = None
+        self.cvae_classes: np.ndarray = np.zeros(0, dtype=np.int64)
+        """Classes the current CVAE was trained on."""
 
     def bank_arrays(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
-        """The CVAE's training set: features and labels within ``cvae-history``."""
+        """Return the CVAE's training set: features and labels within ``cvae-history``."""
         history = self.felo.cvae_history
         rows = [
             (ids, feats)
@@ -506,6 +513,9 @@ class VeloStrategy(FeloStrategy):
         for part in parts:
             assert part.features is not None  # checked by the reply schema
             self.feature_bank.append((server_round, part.class_ids, part.features))
+        if self.felo.cvae_history > 0:  # bound the bank's memory to the window
+            oldest = server_round - self.felo.cvae_history
+            self.feature_bank = [row for row in self.feature_bank if row[0] > oldest]
         due = self.cvae is None or (server_round - 1) % self.felo.cvae_interval == 0
         metrics: dict[str, Any] = {"cvae_trained": due, "cvae_seconds": 0.0, "cvae_loss": None}
         if due:
@@ -517,6 +527,7 @@ class VeloStrategy(FeloStrategy):
                     self.cvae, features, labels, seed=self.env.run.seed + server_round
                 )
             self.last_training = result
+            self.cvae_classes = np.unique(labels)
             log.info(
                 "round %d: CVAE trained on %d feature vectors in %.2fs, loss %.4f -> %.4f "
                 "(reconstruction %.4f)",
@@ -533,10 +544,14 @@ class VeloStrategy(FeloStrategy):
                 cvae_reconstruction_loss=result.reconstruction_history[-1],
                 cvae_dataset_size=result.num_samples,
             )
-        assert self.cvae is not None
+        assert self.cvae is not None and merged.features is not None
         gen = torch.Generator().manual_seed(self.env.run.seed * 1000 + server_round)
         synthetic = self.cvae.generate(merged.class_ids, self.felo.cvae_samples, generator=gen)
         features = synthetic.mean(dim=1).numpy().astype(np.float32)
+        # A class first seen after the last training (cvae-interval > 1) keeps its average.
+        unseen = ~np.isin(merged.class_ids, self.cvae_classes)
+        features[unseen] = merged.features[unseen]
+        metrics["synthetic_classes"] = int((~unseen).sum())
         return replace(merged, features=features), metrics
 
 
