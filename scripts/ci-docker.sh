@@ -75,14 +75,23 @@ start() {
         STARTED=1
         log "starting dockerd (log: $DOCKERD_LOG)"
         # setsid: its own session, so that CI's process group signals do not reach it
-        # before `stop` does.
-        as_root setsid /usr/sbin/dockerd --host "unix://$SOCKET" >"$DOCKERD_LOG" 2>&1 &
+        # before `stop` does. Its own pid file names the daemon (not sudo or setsid).
+        rm -f "$STATE_DIR/docker.pid"
+        if [ "$(id -u)" = 0 ]; then
+            setsid /usr/sbin/dockerd --host "unix://$SOCKET" --pidfile "$STATE_DIR/docker.pid" \
+                </dev/null >"$DOCKERD_LOG" 2>&1 &
+        else
+            # shellcheck disable=SC2024 # the log is ours to write
+            sudo -n setsid /usr/sbin/dockerd --host "unix://$SOCKET" \
+                --pidfile "$STATE_DIR/docker.pid" </dev/null >"$DOCKERD_LOG" 2>&1 &
+        fi
         echo $! >"$PID_FILE"
     fi
     local i
     for i in $(seq 1 60); do
         if engine_up; then
-            log "dockerd is up after ${i}s ($(docker version --format 'server {{.Server.Version}}'))"
+            [ ! -s "$STATE_DIR/docker.pid" ] || cp "$STATE_DIR/docker.pid" "$PID_FILE"
+            log "dockerd $(cat "$PID_FILE") is up after ${i}s ($(docker version --format 'server {{.Server.Version}}'))"
             return 0
         fi
         if ! kill -0 "$(cat "$PID_FILE")" 2>/dev/null; then

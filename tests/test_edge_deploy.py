@@ -1,0 +1,117 @@
+"""The edge-deploy tool's pure parts: image choice per host, and input checks.
+
+No Docker engine needed; ``tests/test_docker.py`` runs the tool against a real one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "edge_deploy", ROOT / "scripts" / "edge_deploy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["edge_deploy"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ed = _load()
+
+
+def _host(arch: str, runtimes: tuple[str, ...] = ("runc",)) -> object:
+    return ed.HostInfo(name="dev", arch=arch, runtimes=runtimes, os="Linux")
+
+
+@pytest.mark.parametrize(
+    ("arch", "runtimes", "gpu", "app", "runtime"),
+    [
+        ("amd64", ("runc",), "auto", "tessera/app-cpu:latest", None),
+        ("arm64", ("runc",), "auto", "tessera/app-cpu:latest", None),  # Raspberry Pi
+        ("arm64", ("nvidia", "runc"), "auto", "tessera/app-jetson:latest", "nvidia"),  # Jetson
+        ("arm64", ("nvidia", "runc"), "off", "tessera/app-cpu:latest", None),
+        ("amd64", ("nvidia", "runc"), "auto", "tessera/app-cpu:latest", None),  # x86 GPU box
+        ("amd64", ("nvidia", "runc"), "on", "tessera/app-cpu:latest", "nvidia"),
+    ],
+)
+def test_plan_images_by_host(
+    arch: str, runtimes: tuple[str, ...], gpu: str, app: str, runtime: str | None
+) -> None:
+    plan = ed.plan_images(_host(arch, runtimes), gpu=gpu)
+    assert plan.supernode == "tessera/flower:latest"
+    assert plan.clientapp == app
+    assert plan.runtime == runtime
+
+
+def test_plan_images_honours_explicit_images_and_tag() -> None:
+    plan = ed.plan_images(_host("arm64"), tag="v2", app_image="reg.example/app:1")
+    assert plan.supernode == "tessera/flower:v2"
+    assert plan.clientapp == "reg.example/app:1"
+
+
+def test_plan_images_rejects_gpu_without_runtime_and_unknown_arch() -> None:
+    with pytest.raises(ed.DeployError, match="no 'nvidia' container runtime"):
+        ed.plan_images(_host("amd64"), gpu="on")
+    with pytest.raises(ed.DeployError, match="amd64 and arm64"):
+        ed.plan_images(_host("arm"))
+
+
+def test_host_info_maps_engine_architecture_names() -> None:
+    info = ed.HostInfo.from_info(
+        {"Name": "orin", "Architecture": "aarch64", "Runtimes": {"runc": {}, "nvidia": {}}}
+    )
+    assert (info.arch, info.has_nvidia, info.is_jetson) == ("arm64", True, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("superlink:9092", ("superlink", 9092)),
+        ("192.0.2.10:9092", ("192.0.2.10", 9092)),
+        ("[2001:db8::1]:9092", ("2001:db8::1", 9092)),
+    ],
+)
+def test_parse_superlink(text: str, expected: tuple[str, int]) -> None:
+    assert ed.parse_superlink(text) == expected
+
+
+@pytest.mark.parametrize("text", ["superlink", "superlink:", "a:b:9092", "host:0", "host:70000"])
+def test_parse_superlink_rejects(text: str) -> None:
+    with pytest.raises(ed.UsageError):
+        ed.parse_superlink(text)
+
+
+def test_parse_node_config() -> None:
+    assert ed.parse_node_config("partition-id=0 num-partitions=4") == {
+        "partition-id": "0",
+        "num-partitions": "4",
+    }
+    assert ed.parse_node_config("data-path='/data/x.npz'")["data-path"] == "/data/x.npz"
+    with pytest.raises(ed.UsageError, match="not key=value"):
+        ed.parse_node_config("partition-id")
+    with pytest.raises(ed.UsageError, match="partition-id and num-partitions"):
+        ed.parse_node_config("partition-id=0")
+
+
+@pytest.mark.parametrize("name", ["Pi-1", "-x", "a b", "x" * 42, ""])
+def test_check_name_rejects(name: str) -> None:
+    with pytest.raises(ed.UsageError):
+        ed.check_name(name)
+
+
+def test_bad_usage_exits_2_without_an_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    status = ed.main(
+        ["deploy", "--name", "pi-1", "--superlink", "nohost", "--node-config", "partition-id=0"]
+    )
+    assert status == 2
+    assert "host:port" in capsys.readouterr().err
