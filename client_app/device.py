@@ -607,9 +607,14 @@ def measure_cpu_macs_per_second(threads: int, seconds: float = 0.2) -> float:
     """Estimate training throughput of the CPU with a short matmul benchmark.
 
     Runs 256x256 fp32 matmuls with ``torch.set_num_threads(threads)`` for
-    about ``seconds`` (the previous thread count is restored afterwards),
-    and multiplies the GEMM rate by :data:`CPU_CONV_TRAINING_EFFICIENCY`
-    (0.5) to approximate what training a small conv net achieves.
+    about ``seconds`` and at least 20 iterations (the previous thread count is
+    restored afterwards), and multiplies the GEMM rate by
+    :data:`CPU_CONV_TRAINING_EFFICIENCY` (0.5) to approximate what training a
+    small conv net achieves. With one thread the rate is taken over the
+    thread's CPU time (``time.thread_time``), so a cgroup CPU quota or other
+    processes on the machine do not distort the per-core figure (inside a
+    container with ``--cpus 0.5`` wall-clock timing would count the throttled
+    periods); with more threads it is taken over wall-clock time.
 
     Parameters
     ----------
@@ -643,14 +648,17 @@ def measure_cpu_macs_per_second(threads: int, seconds: float = 0.2) -> float:
             torch.mm(a, b)  # warm-up: thread pool, packing buffers
             iterations = 0
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             elapsed = 0.0
-            while elapsed < seconds:
+            while elapsed < seconds or iterations < 20:
                 torch.mm(a, b)
                 iterations += 1
                 elapsed = time.perf_counter() - start
+            cpu_elapsed = time.thread_time() - cpu_start
     finally:
         torch.set_num_threads(previous)
-    gemm_rate = iterations * size**3 / elapsed
+    timed = cpu_elapsed if threads == 1 and cpu_elapsed > 0 else elapsed
+    gemm_rate = iterations * size**3 / timed
     log.debug("CPU GEMM %.3g MAC/s with %d threads", gemm_rate, threads)
     return gemm_rate * CPU_CONV_TRAINING_EFFICIENCY
 
@@ -791,9 +799,9 @@ def probe_device(
         # fp32 = 1.3e12 MAC/s for an M1 8-core GPU) x GPU_CONV_TRAINING_EFFICIENCY.
         macs = measure_accelerator_macs_per_second("mps") if benchmark else 2.6e11
     elif benchmark:
-        threads = max(1, math.floor(cores))
-        # Scale linearly to a fractional quota (1.5 cores measured on 1 thread).
-        macs = measure_cpu_macs_per_second(threads) * cores / threads
+        # One core's rate over its CPU time, times the effective cores (cgroup
+        # quota honoured): robust to throttling and to a busy machine.
+        macs = measure_cpu_macs_per_second(1) * cores
     else:
         macs = DEFAULT_CPU_TRAIN_MACS_PER_CORE * cores
 
