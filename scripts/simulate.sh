@@ -42,17 +42,24 @@ run_flower() {
         --run-config "$RUN_CONFIG output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'" 2>&1 | tee "$LOG"
     set -e
 }
-run_flower
-# Ray occasionally fails to bring its raylet up within its fixed 30 s on a loaded
-# 2-core machine ("The current node timed out during startup"). That is a start-up
-# failure before any round ran: retry once, and say so.
-if [ ! -s "$OUTPUT_DIR/$RUN_NAME/metrics.jsonl" ] \
-    && grep -qE "timed out during startup|logs/gcs_server.err" "$LOG" \
-    && ! grep -q "ServerApp thread raised an exception" "$LOG"; then
-    echo "simulate.sh: Ray failed to start (machine busy?); retrying the run once" >&2
-    stop_local_superlink "$FLWR_HOME"
-    rm -rf "${OUTPUT_DIR:?}/$RUN_NAME"
-    FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
+# Ray occasionally fails to bring its raylet up within its fixed 30 s ("The current
+# node timed out during startup"), seen on busy and on idle 2-core machines alike.
+# That is a start-up failure before any round ran: retry (up to 3 attempts), and say so.
+ray_start_failed() {
+    [ ! -s "$OUTPUT_DIR/$RUN_NAME/metrics.jsonl" ] \
+        && grep -qE "timed out during startup|logs/gcs_server.err" "$LOG" \
+        && ! grep -q "ServerApp thread raised an exception" "$LOG"
+}
+for attempt in 1 2 3; do
     run_flower
-fi
+    if [ "$attempt" -lt 3 ] && ray_start_failed; then
+        echo "simulate.sh: Ray failed to start (attempt $attempt of 3); retrying the run" >&2
+        stop_local_superlink "$FLWR_HOME"
+        rm -rf "${OUTPUT_DIR:?}/$RUN_NAME"
+        FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
+        sleep 2
+        continue
+    fi
+    break
+done
 python -m tessera.report "$OUTPUT_DIR/$RUN_NAME"
