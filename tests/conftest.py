@@ -303,3 +303,46 @@ def _fake_grid_counts_as_simulation() -> Iterator[None]:
             base, "is_simulation", lambda grid: type(grid).__name__ == "FakeGrid" or real(grid)
         )
         yield
+
+
+def simulate(tmp_path: Path, run_config: str, *, nodes: int = 3) -> Path:
+    """Run ``scripts/simulate.sh`` (real Flower simulation) and return the run's folder.
+
+    Asserts that the script succeeded and left no process behind.
+    """
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            "bash",
+            "scripts/simulate.sh",
+            "--nodes",
+            str(nodes),
+            "--run-name",
+            "e2e",
+            "--output-dir",
+            str(out),
+            "--run-config",
+            run_config,
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "FLWR_HOME_SIM": str(tmp_path / "flwr-home")},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
+    return out / "e2e"
+
+
+def simulated_rounds(tmp_path: Path, run_config: str) -> list[dict[str, Any]]:
+    """Run :func:`simulate` and return its ``metrics.jsonl`` records."""
+    import json
+
+    lines = (simulate(tmp_path, run_config) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]

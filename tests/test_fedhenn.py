@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +38,7 @@ from strategies.fedhenn.scheme import (
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.data import split_server_pool
-from tests.conftest import install_fast_clients, torch_threads
+from tests.conftest import install_fast_clients, simulated_rounds, torch_threads
 from tests.test_strategies import TINY, Federation, run_federation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -603,34 +602,6 @@ def test_factor_of_kbar_from_every_cnn_keeps_cka_above_099(digits_bundle: Any, k
 
 
 # ------------------------------------------------------------------------- end to end
-def _simulate(tmp_path: Path, run_config: str) -> list[dict[str, Any]]:
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            "bash",
-            "scripts/simulate.sh",
-            "--nodes",
-            "3",
-            "--run-name",
-            "e2e",
-            "--output-dir",
-            str(out),
-            "--run-config",
-            run_config,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "FLWR_HOME_SIM": str(tmp_path / "flwr-home")},
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
-    lines = (out / "e2e" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
 SIM = (
     "strategy='fedhenn' num-server-rounds=2 local-epochs=1 eta0=1.0 "
     "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
@@ -641,7 +612,7 @@ SIM = (
 @pytest.mark.timeout(180)
 def test_heterogeneous_simulation_two_rounds(tmp_path: Path) -> None:
     # Execute
-    rounds = _simulate(tmp_path, f"{SIM} fedhenn-mode='heterogeneous'")
+    rounds = simulated_rounds(tmp_path, f"{SIM} fedhenn-mode='heterogeneous'")
 
     # Assert
     first, second = rounds
@@ -656,7 +627,7 @@ def test_heterogeneous_simulation_two_rounds(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_homogeneous_simulation_two_rounds(tmp_path: Path) -> None:
     # Execute
-    rounds = _simulate(tmp_path, f"{SIM} fedhenn-mode='homogeneous'")
+    rounds = simulated_rounds(tmp_path, f"{SIM} fedhenn-mode='homogeneous'")
 
     # Assert
     first, second = rounds

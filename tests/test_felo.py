@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,7 +49,7 @@ from strategies.felo.scheme import (
 )
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
-from tests.conftest import install_fast_clients, torch_threads
+from tests.conftest import install_fast_clients, simulated_rounds, torch_threads
 from tests.test_strategies import Federation, run_federation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -763,37 +762,11 @@ def test_schemes_are_registered() -> None:
 
 
 # ------------------------------------------------------------------ end to end (slow)
-def _simulate(tmp_path: Path, run_config: str) -> list[dict[str, Any]]:
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            "bash",
-            "scripts/simulate.sh",
-            "--nodes",
-            "3",
-            "--run-name",
-            "e2e",
-            "--output-dir",
-            str(out),
-            "--run-config",
-            run_config,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "FLWR_HOME_SIM": str(tmp_path / "flwr-home")},
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    lines = (out / "e2e" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["felo", "velo", "fedhe"])
 def test_simulation_two_rounds_three_profiles(tmp_path: Path, strategy: str) -> None:
     # Execute
-    rounds = _simulate(
+    rounds = simulated_rounds(
         tmp_path, f"strategy='{strategy}' num-server-rounds=2 cvae-epochs=20 {THREE_ARCHS_CLI}"
     )
 

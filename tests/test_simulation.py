@@ -3,40 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run_simulation(tmp_path: Path, run_config: str, nodes: int = 3) -> Path:
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            "bash",
-            "scripts/simulate.sh",
-            "--nodes",
-            str(nodes),
-            "--run-name",
-            "e2e",
-            "--output-dir",
-            str(out),
-            "--run-config",
-            run_config,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**__import__("os").environ, "FLWR_HOME_SIM": str(tmp_path / "flwr-home")},
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
-    return out / "e2e"
-
+from tests.conftest import simulate
 
 @pytest.mark.slow
 def test_fedavg_groups_simulation_picks_different_architectures(tmp_path: Path) -> None:
@@ -46,7 +17,7 @@ def test_fedavg_groups_simulation_picks_different_architectures(tmp_path: Path) 
         "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
     )
     # Execute
-    result = _run_simulation(tmp_path, run_config)
+    result = simulate(tmp_path, run_config)
     # Assert
     rounds = [json.loads(line) for line in (result / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
