@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import simulate
 
+
 @pytest.mark.slow
 def test_fedavg_groups_simulation_picks_different_architectures(tmp_path: Path) -> None:
     # Prepare
