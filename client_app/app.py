@@ -9,8 +9,16 @@ Message types handled:
 - ``evaluate``: evaluate received weights on the local test split (used by
   Flower's own FedAvg loop, the ``flwr-fedavg`` reference).
 
-What persists across rounds lives in ``context.state`` (SuperNode memory, per run):
-the device profile and choice, and the personalised model of schemes that keep one.
+What persists across rounds lives in ``context.state`` (SuperNode memory, per run),
+wrapped by :class:`~tessera.node_state.NodeState`: the device profile, the
+personalised model of schemes that keep one, and scheme state (FedHeNN's probe RAD).
+With node-config ``state-dir`` it is also written to disk after every round and
+reloaded after the SuperNode or its device restarts.
+
+The per-round flow is the scheme's client lifecycle
+(:class:`~strategies.client.ClientAlgorithm`); :func:`train_round` drives it for
+any algorithm, so a wrapper (:class:`~strategies.client.ClientWrapper`) composes
+around any scheme's client.
 """
 
 from __future__ import annotations
@@ -20,28 +28,51 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.device import DeviceProfile, resolve_profile
-from client_app.training import (
+from strategies.client import (
+    STATE_MODEL,
+    STATE_MODEL_META,
+    ClientAlgorithm,
+    RoundInput,
+    RoundOutcome,
+    load_state_record,
+)
+from tessera import wire
+from tessera.config import ConfigError, NodeConfig, RunConfig
+from tessera.data import ArrayDataset, PartitionConfig, client_data, load_bundle, local_data
+from tessera.node_state import NodeState
+from tessera.training import (
     OptimConfig,
     evaluate_model,
     label_counts,
     select_device,
     train_model,
 )
-from tessera import wire
-from tessera.config import ConfigError, NodeConfig, RunConfig
-from tessera.data import ArrayDataset, PartitionConfig, client_data, load_bundle, local_data
 
 log = logging.getLogger("flwr.tessera")
 
 app = ClientApp()
 
 STATE_NODE = "tessera.node"
-STATE_MODEL = "tessera.model"
-STATE_MODEL_META = "tessera.model-meta"
+"""Node state: the device profile (``device-*`` keys) chosen at the handshake."""
+FEDERATION = "federation"
+"""Config key of the federation id the server sends with every message."""
+
+__all__ = [
+    "STATE_MODEL",
+    "STATE_MODEL_META",
+    "STATE_NODE",
+    "app",
+    "build_client",
+    "evaluate",
+    "handshake",
+    "open_node_state",
+    "train",
+    "train_round",
+]
 
 
 @dataclass(frozen=True)
@@ -110,14 +141,33 @@ def _task_shape(config: ConfigRecord, data: NodeData) -> tuple[int, tuple[int, .
     return num_classes, input_shape
 
 
-def _profile(run: RunConfig, node: NodeConfig, context: Context) -> DeviceProfile:
-    if STATE_NODE in context.state.config_records:
-        rec = context.state.config_records[STATE_NODE]
+def open_node_state(context: Context, node: NodeConfig, config: ConfigRecord) -> NodeState:
+    """Wrap ``context.state``; reload it from node-config ``state-dir`` after a restart."""
+    federation = config.get(FEDERATION)
+    return NodeState.open(
+        context.state,
+        state_dir=node.state_dir,
+        federation=None if federation is None else str(federation),
+        owner=node.owner,
+    )
+
+
+def _profile(node: NodeConfig, state: NodeState) -> DeviceProfile:
+    stored = state.config(STATE_NODE)
+    if stored is not None:
         return DeviceProfile.from_dict(
-            {k[len("device-") :]: v for k, v in rec.items() if k.startswith("device-")}
+            {k[len("device-") :]: v for k, v in stored.items() if k.startswith("device-")}
         )
-    # No handshake state (e.g. the SuperNode restarted): probe, never emulate.
+    # No handshake state (e.g. the SuperNode restarted without state-dir): probe.
     return resolve_profile(node.device_profile, None, node.partition_id, benchmark=True)
+
+
+def build_client(run: RunConfig, run_config: Any) -> ClientAlgorithm:
+    """Build the client algorithm of the scheme named by run-config ``strategy``."""
+    from strategies import get_scheme
+
+    scheme = get_scheme(run.strategy)
+    return scheme.client(run=run, options=scheme.parse_options(run_config))
 
 
 @app.query("handshake")
@@ -133,12 +183,18 @@ def handshake(msg: Message, context: Context) -> Message:
     data = load_node_data(run, node)
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
     simulated = bool(config.get("simulation", False))
-    profile = resolve_profile(
-        node.device_profile,
-        run.sim_device_profiles if simulated else None,
-        node.partition_id,
-        benchmark=True,
-    )
+    state = open_node_state(context, node, config)
+    stored = state.config(STATE_NODE)
+    if stored is not None and state.restored_from_disk:
+        profile = _profile(node, state)
+        log.info("node %s: profile %s restored from node state", context.node_id, profile.name)
+    else:
+        profile = resolve_profile(
+            node.device_profile,
+            run.sim_device_profiles if simulated else None,
+            node.partition_id,
+            benchmark=True,
+        )
     family = run.model_family or scheme.default_family
     workload = Workload(
         samples_per_round=len(data.train) * run.local_epochs,
@@ -175,113 +231,95 @@ def handshake(msg: Message, context: Context) -> Message:
         "num-test": len(data.test),
         "partition-id": data.partition_id,
         "label-counts": label_counts(data.train.y, data.num_classes),
+        "state-restored": state.restored_from_disk,
+        "state-round": state.saved_round,
     }
     record.update({f"device-{k}": v for k, v in profile.to_dict().items()})
-    context.state[STATE_NODE] = ConfigRecord(
-        {f"device-{k}": v for k, v in profile.to_dict().items()}
-    )
+    state.put(STATE_NODE, ConfigRecord({f"device-{k}": v for k, v in profile.to_dict().items()}))
+    state.save(state.saved_round)
     return Message(RecordDict({wire.PROFILE: ConfigRecord(record)}), reply_to=msg)
-
-
-def _load_weights(model: torch.nn.Module, record: ArrayRecord) -> None:
-    state = record.to_torch_state_dict()
-    own = model.state_dict()
-    missing = [k for k in own if k not in state and wire.is_exchanged(k)]
-    unexpected = [k for k in state if k not in own]
-    wrong = [
-        f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
-        for k in own
-        if k in state and state[k].shape != own[k].shape
-    ]
-    if missing or unexpected or wrong:
-        raise ConfigError(
-            f"received weights do not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}; server and client "
-            "disagree on the architecture or the task (classes, input shape)"
-        )
-    model.load_state_dict(state, strict=False)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the named architecture with the scheme's objective and report."""
-    from strategies import get_scheme
+    run = RunConfig.from_flower(context.run_config)
+    return train_round(msg, context, build_client(run, context.run_config))
 
+
+def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> Message:
+    """Run one round of ``algorithm``'s lifecycle on this node and build the reply.
+
+    Parameters
+    ----------
+    msg : Message
+        The server's train message.
+    context : Context
+        The node's context (run and node config, ``context.state``).
+    algorithm : ClientAlgorithm
+        The scheme's client, possibly wrapped.
+
+    Returns
+    -------
+    Message
+        The reply with the records of :meth:`ClientAlgorithm.finish_round`.
+    """
     run = RunConfig.from_flower(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    scheme = get_scheme(run.strategy)
-    algo = scheme.client(run=run, options=scheme.parse_options(context.run_config))
     content = msg.content
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
     server_round = int(config.get("server-round", 0))  # type: ignore[arg-type]
+    state = open_node_state(context, node, config)
     data = load_node_data(run, node)
+    train_set, test_set = algorithm.prepare_data(data.train, data.test)
     num_classes, input_shape = _task_shape(config, data)
-    arch = algo.arch_for(config)
-    profile = _profile(run, node, context)
+    rnd = RoundInput(
+        server_round=server_round,
+        arch=algorithm.arch_for(config),
+        num_classes=num_classes,
+        input_shape=input_shape,
+        content=content,
+        config=config,
+    )
+    profile = _profile(node, state)
     device = select_device(profile.accelerator)
 
     torch.manual_seed(run.seed + 1000 * (data.partition_id + 1))
-    model = algo.build_model(arch, input_shape=input_shape, num_classes=num_classes)
-    if wire.ARRAYS in content.array_records:
-        _load_weights(model, content.array_records[wire.ARRAYS])
-    elif algo.keeps_personal_model and STATE_MODEL in context.state.array_records:
-        meta = context.state.config_records[STATE_MODEL_META]
-        if meta["arch"] == arch:
-            _load_weights(model, context.state.array_records[STATE_MODEL])
-        else:
-            log.warning(
-                "stored personal model is %s but the server asks for %s; starting %s from scratch",
-                meta["arch"],
-                arch,
-                arch,
-            )
+    model = algorithm.build_model(rnd.arch, input_shape=input_shape, num_classes=num_classes)
+    algorithm.load_weights(model, rnd, state)
     model.to(device)
-    algo.begin_round(model, content)
+    algorithm.begin_round(model, rnd, state)
     stats = train_model(
         model,
-        data.train,
+        train_set,
         optim=OptimConfig(
             run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
         ),
         device=device,
         seed=run.seed + 7919 * server_round + data.partition_id,
-        loss_fn=algo.loss_fn(),
+        loss_fn=algorithm.loss_fn(),
     )
-    test_loss, test_acc = evaluate_model(model, data.test, batch_size=256, device=device)
-    weights = wire.state_to_record(model.state_dict())
-    if algo.keeps_personal_model:
-        context.state[STATE_MODEL] = weights
-        context.state[STATE_MODEL_META] = ConfigRecord({"arch": arch})
-    reply = RecordDict(
-        {
-            wire.METRICS: MetricRecord(
-                {
-                    wire.NUM_EXAMPLES: stats.num_examples,
-                    wire.TRAIN_LOSS: stats.loss,
-                    wire.TEST_ACCURACY: 0.0 if len(data.test) == 0 else test_acc,
-                    wire.TEST_LOSS: 0.0 if len(data.test) == 0 else test_loss,
-                    wire.NUM_TEST_EXAMPLES: len(data.test),
-                    wire.TRAIN_SECONDS: stats.seconds,
-                }
-            )
-        }
+    test_loss, test_acc = evaluate_model(model, test_set, batch_size=256, device=device)
+    outcome = RoundOutcome(
+        stats=stats,
+        test_loss=test_loss,
+        test_accuracy=test_acc,
+        num_test=len(test_set),
+        train=train_set,
+        device=device,
     )
-    if algo.sends_weights:
-        reply[wire.ARRAYS] = weights
-    for name, record in algo.extra_records(model, data.train, device).items():
-        reply[name] = record
-    return Message(reply, reply_to=msg)
+    records = algorithm.finish_round(model, rnd, outcome, state)
+    algorithm.save_state(model, rnd, state)
+    state.save(server_round)
+    return Message(RecordDict(dict(records)), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received weights on the local test split."""
-    from strategies import get_scheme
-
     run = RunConfig.from_flower(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    scheme = get_scheme(run.strategy)
-    algo = scheme.client(run=run, options=scheme.parse_options(context.run_config))
+    algo = build_client(run, context.run_config)
     content = msg.content
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
     data = load_node_data(run, node)
@@ -289,7 +327,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     model = algo.build_model(
         algo.arch_for(config), input_shape=input_shape, num_classes=num_classes
     )
-    _load_weights(model, content.array_records[wire.ARRAYS])
+    load_state_record(model, content.array_records[wire.ARRAYS])
     loss, acc = evaluate_model(model, data.test, batch_size=256, device=torch.device("cpu"))
     return Message(
         RecordDict(

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from strategies.base import ServerEnv
+from strategies.registry import ServerRunner
+from tessera.checkpoint import CheckpointError
 from tessera.config import ConfigError, RunConfig
 from tessera.results import ResultsWriter, plot_rounds
+
+if TYPE_CHECKING:
+    from tessera.data import DataBundle
 
 log = logging.getLogger("flwr.tessera")
 
@@ -28,7 +36,7 @@ def results_dir(run: RunConfig) -> Path:
     return Path(run.output_dir).expanduser() / name
 
 
-def summarise(rounds: list[dict[str, Any]], started: float) -> dict[str, Any]:
+def summarise(rounds: list[Mapping[str, Any]], started: float) -> dict[str, Any]:
     """Compute a run's final figures from its round records."""
     if not rounds:
         return {"rounds": 0, "wall_seconds": time.monotonic() - started}
@@ -55,42 +63,70 @@ def summarise(rounds: list[dict[str, Any]], started: float) -> dict[str, Any]:
         "mean_overhead_seconds": float(np.mean([r["overhead_seconds"] for r in rounds])),
         "rejected_replies": sum(r.get("num_rejected", 0) for r in rounds),
         "failed_nodes": sum(r.get("num_failed", 0) for r in rounds),
+        "skipped_rounds": [r["round"] for r in rounds if r.get("skipped")],
         "wall_seconds": time.monotonic() - started,
     }
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run the scheme named by run-config ``strategy``."""
+@dataclass
+class Server:
+    """A scheme's server side, ready to run, with what the ServerApp reports on.
+
+    Attributes
+    ----------
+    runner : ServerRunner
+        The scheme's server (already restored from the checkpoint on resume).
+    env : ServerEnv
+        The task and server-side data.
+    writer : ResultsWriter
+        The results folder.
+    dataset_name : str
+        For the logs and plots.
+    """
+
+    runner: ServerRunner
+    env: ServerEnv
+    writer: ResultsWriter
+    dataset_name: str
+
+
+def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = None) -> Server:
+    """Parse the run config once and build the scheme's server (used by tests too).
+
+    Parameters
+    ----------
+    run_config : Mapping[str, Any]
+        Flower's raw run config.
+    bundle : DataBundle, optional
+        The dataset, when the caller already loaded it (tests); loaded otherwise.
+
+    Returns
+    -------
+    Server
+        The runner and its environment. With run-config ``resume`` the results
+        folder is the one named there, and the runner continues from its checkpoint.
+
+    Raises
+    ------
+    ConfigError
+        If a value is invalid, or the checkpoint to resume is of another run.
+    """
     from models import list_models
     from strategies import get_scheme
-    from strategies.base import ServerEnv
-    from tessera.data import load_bundle, plot_label_distribution, split_server_pool
+    from tessera.data import load_bundle, split_server_pool
 
-    started = time.monotonic()
-    run = RunConfig.from_flower(context.run_config)
+    run = RunConfig.from_flower(run_config)
     scheme = get_scheme(run.strategy)
-    options = scheme.parse_options(context.run_config)
+    options = scheme.parse_options(run_config)
     family = run.model_family or scheme.default_family
     try:
         list_models(family)
     except ValueError as err:
         raise ConfigError(f"run-config 'model-family': {err}") from err
-
-    bundle = load_bundle(run.dataset)
+    if bundle is None:
+        bundle = load_bundle(run.dataset)
     _, server_pool = split_server_pool(
         bundle, pool_fraction=run.server_pool_fraction, seed=run.seed
-    )
-    out_dir = results_dir(run)
-    writer = ResultsWriter(out_dir)
-    log.info(
-        "Tessera: strategy %s, dataset %s (%d classes, input %s), family %s; results in %s",
-        run.strategy,
-        bundle.name,
-        bundle.num_classes,
-        bundle.input_shape,
-        family,
-        writer.directory,
     )
     env = ServerEnv(
         run=run,
@@ -100,17 +136,50 @@ def main(grid: Grid, context: Context) -> None:
         server_pool=server_pool,
         family=family,
     )
-    server = scheme.server(env=env, options=options, results=writer)
+    state: dict[str, Any] | None = None
+    if run.resume is not None:
+        try:
+            writer, state = ResultsWriter.resume(Path(run.resume))
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from err
+    else:
+        writer = ResultsWriter(results_dir(run))
+    runner: ServerRunner = scheme.server(env=env, options=options, results=writer)
+    if state is not None:
+        runner.load_state_dict(state)
+    return Server(runner=runner, env=env, writer=writer, dataset_name=bundle.name)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the scheme named by run-config ``strategy``."""
+    from tessera.data import plot_label_distribution
+
+    started = time.monotonic()
+    server = build_server(context.run_config)
+    run, env, writer, runner = server.env.run, server.env, server.writer, server.runner
+    log.info(
+        "Tessera: strategy %s, dataset %s (%d classes, input %s), family %s; results in %s%s",
+        run.strategy,
+        server.dataset_name,
+        env.num_classes,
+        env.input_shape,
+        env.family,
+        writer.directory,
+        f" (resuming after round {len(runner.rounds)})" if run.resume else "",
+    )
     try:
-        server.start(grid=grid, num_rounds=run.num_server_rounds, timeout=run.round_timeout)
+        runner.start(grid, num_rounds=run.num_server_rounds, timeout=run.round_timeout)
     finally:
-        rounds: list[dict[str, Any]] = list(getattr(server, "rounds", []))
+        rounds = list(runner.rounds)
         summary = summarise(rounds, started)
         summary["strategy"] = run.strategy
         summary["results_dir"] = str(writer.directory)
+        if runner.final_metrics:
+            summary["end_of_run"] = dict(runner.final_metrics)
         writer.write_summary(summary)
         plot_rounds(rounds, writer.directory)
-        nodes = getattr(server, "nodes", {})
+        nodes = runner.nodes
         if nodes:
             ordered = sorted(nodes.values(), key=lambda i: (i.partition_id, i.node_id))
             width = max([env.num_classes, *(len(i.label_counts) for i in ordered)])
@@ -120,7 +189,9 @@ def main(grid: Grid, context: Context) -> None:
             plot_label_distribution(
                 counts,
                 writer.directory / "label_distribution.png",
-                title=f"{bundle.name}: {run.partitioner} partition ({len(ordered)} clients)",
+                title=(
+                    f"{server.dataset_name}: {run.partitioner} partition ({len(ordered)} clients)"
+                ),
             )
         log.info(
             "Tessera: finished %d round(s); final personalised accuracy %s, global "

@@ -1,38 +1,69 @@
-"""The base of every heterogeneous scheme: one message per node, replies by architecture.
+"""The base of every heterogeneous scheme: the round loop and the hooks schemes override.
 
-:class:`HeteroStrategy` subclasses Flower's message-API
-:class:`flwr.serverapp.strategy.Strategy`. It owns the round loop, because the loop
-it needs differs from Flower's in what it does, not only in side effects:
+:class:`HeteroStrategy` owns the round loop (template method); it does not reuse
+Flower's ``Strategy.start`` because what it does differs, not only its side
+effects:
 
 - a ``query.handshake`` before round 1 (and for nodes that join later) through which
   each node reports its device profile, its data and the architecture it chose;
+- client sampling per round (run-config ``fraction-train``, ``min-train-nodes``,
+  seeded), and ``min-nodes`` checked every round;
 - one training exchange per round (clients evaluate their personalised model on their
-  own test split inside the same exchange, so there is no second round trip);
-- every exchange bounded by ``round-timeout``, polling every 0.2 s; a node that fails,
-  errs or times out is counted and the round goes on with the rest;
-- every reply validated before any arithmetic (:mod:`strategies.validation`);
-- results written to disk at the end of every round (:mod:`tessera.results`).
+  own test split inside the same exchange, so there is no second round trip), bounded
+  by ``round-timeout``; transient SuperLink errors are retried;
+- every reply validated before any arithmetic (:mod:`strategies.validation`) and
+  folded into the scheme's state *as it is pulled* (weights through the injected
+  :class:`~strategies.aggregators.Aggregator`), so server memory does not grow with
+  the number of clients;
+- a quorum: a round with fewer than ``min-replies`` accepted replies keeps the
+  previous global state and is recorded as skipped; ``max-failed-rounds`` skipped
+  rounds in a row stop the run with an error naming the cause;
+- results written at the end of every round (:mod:`tessera.results`) and the
+  server's state checkpointed (``checkpoint-every``), so that run-config
+  ``resume=<results dir>`` continues a run with no round lost or counted twice.
 
-Subclasses override hooks only: :meth:`assign_architectures`, :meth:`node_content`,
-:meth:`reply_schema`, :meth:`aggregate` and :meth:`global_models`.
+Per-round state travels in a :class:`RoundContext` handed to every hook. Subclasses
+override hooks only: :meth:`~HeteroStrategy.assign_architectures`,
+:meth:`~HeteroStrategy.select_nodes`, :meth:`~HeteroStrategy.node_content`,
+:meth:`~HeteroStrategy.train_config`, :meth:`~HeteroStrategy.reply_schema`,
+:meth:`~HeteroStrategy.fold`, :meth:`~HeteroStrategy.aggregate`,
+:meth:`~HeteroStrategy.discard`, :meth:`~HeteroStrategy.evaluate`,
+:meth:`~HeteroStrategy.end_of_run`, :meth:`~HeteroStrategy.global_models`,
+:meth:`~HeteroStrategy.describe`, and :meth:`~HeteroStrategy.state_dict` /
+:meth:`~HeteroStrategy.load_state_dict` for what their server keeps.
+
+Randomness: the generator of round ``t`` is ``numpy.random.default_rng([seed, t])``,
+so a resumed run draws exactly what an uninterrupted one would; there is no hidden
+RNG state to checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Result
 
 from strategies.aggregation import mean_std
+from strategies.aggregators import Aggregator, get_aggregator
+from strategies.exchange import (
+    POLL_INTERVAL,
+    ExchangeResult,
+    connected_nodes,
+    exchange,
+    is_simulation,
+    wait_for_nodes,
+)
 from strategies.validation import (
     ArraySpec,
     ClientReply,
@@ -42,14 +73,27 @@ from strategies.validation import (
     validate_reply,
 )
 from tessera import wire
-from tessera.config import RunConfig
+from tessera.config import ConfigError, RunConfig
 from tessera.data import ArrayDataset
 from tessera.results import TABLE_HEADER, ResultsWriter, format_round_row
 
 log = logging.getLogger("flwr.tessera")
 
-POLL_INTERVAL = 0.2
-"""Seconds between two pulls of replies (Flower's gRPC grid sleeps 3 s)."""
+FEDERATION = "federation"
+"""Config key of the federation id sent with every message (keys node state)."""
+
+__all__ = [
+    "POLL_INTERVAL",
+    "ExchangeResult",
+    "HeteroStrategy",
+    "NodeInfo",
+    "RoundContext",
+    "ServerEnv",
+    "exchange",
+    "is_simulation",
+    "parse_handshake",
+    "wait_for_nodes",
+]
 
 
 @dataclass(frozen=True)
@@ -98,7 +142,7 @@ class NodeInfo:
     profile: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe description for ``config.json``."""
+        """JSON-safe description for ``config.json`` and checkpoints."""
         return {
             "node": self.node_id,
             "partition_id": self.partition_id,
@@ -112,107 +156,69 @@ class NodeInfo:
             "profile": self.profile,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NodeInfo:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            node_id=int(data["node"]),
+            arch=str(data["arch"]),
+            family=str(data["family"]),
+            size_rank=int(data["size_rank"]),
+            arch_fits=bool(data["arch_fits"]),
+            num_train=int(data["num_train"]),
+            num_test=int(data["num_test"]),
+            partition_id=int(data["partition_id"]),
+            label_counts=tuple(int(c) for c in data["label_counts"]),
+            profile=dict(data["profile"]),
+        )
+
 
 @dataclass
-class ExchangeResult:
-    """Replies with content, and the nodes that failed (error reply or no reply)."""
+class RoundContext:
+    """Everything about one round that the hooks need, passed to each of them.
 
-    replies: list[Message]
-    missing: dict[int, str]
-    bytes_down: dict[int, int] = field(default_factory=dict)
-
-
-def exchange(
-    grid: Grid, messages: Sequence[Message], *, timeout: float, poll: float = POLL_INTERVAL
-) -> ExchangeResult:
-    """Push messages and pull their replies until all arrived or ``timeout`` passed.
-
-    Parameters
+    Attributes
     ----------
-    grid : Grid
-        Flower's grid.
-    messages : Sequence[Message]
-        One message per destination node.
-    timeout : float
-        Seconds to wait for replies; nodes without a reply are reported missing.
-    poll : float
-        Seconds between pulls.
-
-    Returns
-    -------
-    ExchangeResult
-        The replies and the missing nodes with a reason.
+    server_round : int
+        The round number (1-based).
+    num_rounds : int
+        Rounds of the whole run.
+    rng : np.random.Generator
+        This round's generator, ``default_rng([seed, server_round])``.
+    eligible : dict[int, str]
+        Nodes that could train this round and their architectures.
+    assignment : dict[int, str]
+        Nodes selected to train this round (a subset of ``eligible``).
+    bytes_down : dict[int, int]
+        Payload bytes sent to each node.
+    failures : dict[int, str]
+        Nodes that failed (error reply, no reply) and why.
+    accepted : list[ClientReply]
+        Replies that passed validation and were folded.
+    rejected : list[Rejection]
+        Replies that did not, with the reason.
+    started : float
+        ``time.monotonic()`` at the start of the round.
     """
-    bytes_down = {int(m.metadata.dst_node_id): wire.payload_bytes(m.content) for m in messages}
-    if not messages:
-        return ExchangeResult([], {}, bytes_down)
-    accepted = {mid for mid in grid.push_messages(messages) if mid}
-    pending: dict[str, int] = {}
-    missing: dict[int, str] = {}
-    for msg in messages:
-        node = int(msg.metadata.dst_node_id)
-        mid = msg.metadata.message_id
-        if mid in accepted:
-            pending[mid] = node
-        else:
-            missing[node] = "the SuperLink did not accept the message"
-    deadline = time.monotonic() + timeout
-    replies: list[Message] = []
-    while pending:
-        for reply in grid.pull_messages(list(pending)):
-            mid = reply.metadata.reply_to_message_id
-            if mid not in pending:
-                continue
-            node = pending.pop(mid)
-            if reply.has_error():
-                # Error replies come from the SuperLink on the node's behalf (node
-                # unavailable, ClientApp crashed or raised): the node failed.
-                err = reply.error
-                missing[node] = f"error {err.code}: {short_reason(err.reason or '')}"
-            else:
-                replies.append(reply)
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll)
-    for node in pending.values():
-        missing[node] = f"no reply within round-timeout={timeout:g}s"
-    return ExchangeResult(replies, missing, bytes_down)
+
+    server_round: int
+    num_rounds: int
+    rng: np.random.Generator
+    eligible: dict[int, str] = field(default_factory=dict)
+    assignment: dict[int, str] = field(default_factory=dict)
+    bytes_down: dict[int, int] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    accepted: list[ClientReply] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    schemas: dict[int, ReplySchema] = field(default_factory=dict)
 
 
-def is_simulation(grid: Grid) -> bool:
-    """Whether the grid is Flower's in-memory simulation grid.
-
-    Only then do clients emulate the fleet of run-config ``sim-device-profiles``; a
-    deployed node always probes its device (or takes node-config ``device-profile``).
-    """
-    from flwr.server.grid.inmemory_grid import InMemoryGrid
-
-    return isinstance(grid, InMemoryGrid)
+class RunStoppedError(RuntimeError):
+    """The run cannot go on (too many skipped rounds, too few nodes)."""
 
 
-def wait_for_nodes(grid: Grid, *, min_nodes: int, timeout: float) -> list[int]:
-    """Wait until at least ``min_nodes`` nodes are connected.
-
-    Raises
-    ------
-    TimeoutError
-        If fewer nodes connected within ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        nodes = sorted(int(n) for n in grid.get_node_ids())
-        if len(nodes) >= min_nodes:
-            return nodes
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"only {len(nodes)} node(s) connected within node-wait-timeout="
-                f"{timeout:g}s but min-nodes={min_nodes}; start more SuperNodes or "
-                "lower run-config 'min-nodes'"
-            )
-        time.sleep(0.5)
-
-
-def parse_handshake(reply: Message, known_archs: Iterable[str]) -> NodeInfo | Rejection:
+def parse_handshake(reply: Message, known_archs: Sequence[str]) -> NodeInfo | Rejection:
     """Validate a handshake reply into a :class:`NodeInfo`."""
     node_id = int(reply.metadata.src_node_id)
     if reply.has_error():
@@ -247,7 +253,23 @@ def parse_handshake(reply: Message, known_archs: Iterable[str]) -> NodeInfo | Re
     return info
 
 
-class HeteroStrategy(Strategy):
+RESUME_IDENTITY_KEYS = (
+    "strategy",
+    "dataset",
+    "partitioner",
+    "dirichlet-alpha",
+    "classes-per-client",
+    "server-pool-fraction",
+    "local-test-fraction",
+    "seed",
+    "model-family",
+    "norm",
+)
+"""Run-config keys a resumed run must share with the checkpoint (they define the
+experiment); the others (rounds, timeouts, quorum) may change on resume."""
+
+
+class HeteroStrategy:
     """Base class of Tessera's schemes (see the module docstring).
 
     Parameters
@@ -257,25 +279,37 @@ class HeteroStrategy(Strategy):
     options : Any
         The scheme's own typed options (its ``Options.parse`` result).
     results : ResultsWriter | None
-        Where round records go; ``None`` keeps them in memory only.
+        Where round records and checkpoints go; ``None`` keeps them in memory only.
+    aggregator : Aggregator | None
+        Folds weight updates; by default the one named by run-config ``aggregator``.
     """
 
     name: ClassVar[str] = "hetero"
-    sends_weights: ClassVar[bool] = True
-    """Whether clients return their weights in the ``arrays`` record."""
 
-    def __init__(self, *, env: ServerEnv, options: Any, results: ResultsWriter | None) -> None:
+    def __init__(
+        self,
+        *,
+        env: ServerEnv,
+        options: Any,
+        results: ResultsWriter | None,
+        aggregator: Aggregator | None = None,
+    ) -> None:
         self.env = env
         self.options = options
         self.results = results
+        self.aggregator = (
+            aggregator if aggregator is not None else get_aggregator(env.run.aggregator)
+        )
+        self.federation = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.nodes: dict[int, NodeInfo] = {}
         self.assignment: dict[int, str] = {}
         self.excluded: dict[int, str] = {}
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds: list[dict[str, Any]] = list(results.rounds) if results is not None else []
+        """Round records, those of before a resume included."""
+        self.completed_round = 0
+        self.failed_streak = 0
+        self.final_metrics: dict[str, Any] = {}
         self._templates: dict[str, dict[str, np.ndarray]] = {}
-        self._round_missing: dict[int, str] = {}
-        self._round_bytes_down: dict[int, int] = {}
-        self._round_started = 0.0
         self._handshake_rejections: list[Rejection] = []
 
     # ------------------------------------------------------------------ models
@@ -302,7 +336,9 @@ class HeteroStrategy(Strategy):
 
     def array_spec(self, arch: str) -> ArraySpec:
         """Return the expected names, shapes and dtypes of ``arch``'s arrays."""
-        return {k: (tuple(v.shape), str(v.dtype)) for k, v in self.initial_arrays(arch).items()}
+        if arch not in self._templates:
+            self.initial_arrays(arch)
+        return {k: (tuple(v.shape), str(v.dtype)) for k, v in self._templates[arch].items()}
 
     # ------------------------------------------------------------------- hooks
     def assign_architectures(self, nodes: Mapping[int, NodeInfo]) -> dict[int, str | None]:
@@ -312,28 +348,76 @@ class HeteroStrategy(Strategy):
         """
         return {node_id: info.arch for node_id, info in nodes.items()}
 
-    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
-        """Build the records sent to one node this round (the base: only the config)."""
-        return RecordDict({wire.CONFIG: self.train_config(server_round, node_id, arch)})
+    def select_nodes(self, ctx: RoundContext) -> list[int]:
+        """Choose this round's trainers among ``ctx.eligible``.
 
-    def train_config(self, server_round: int, node_id: int, arch: str) -> ConfigRecord:
+        ``max(min-train-nodes, ceil(fraction-train * eligible))`` nodes (all when
+        that is at least the number eligible), drawn without replacement with the
+        round's generator from the eligible nodes ordered by partition, then node id
+        (partitions are stable across restarts, node ids are not).
+        """
+        order = sorted(
+            ctx.eligible, key=lambda n: (self.nodes[n].partition_id if n in self.nodes else -1, n)
+        )
+        run = self.env.run
+        want = max(run.min_train_nodes, math.ceil(run.fraction_train * len(order)))
+        if want >= len(order):
+            return order
+        picked = ctx.rng.choice(len(order), size=want, replace=False)
+        return [order[i] for i in sorted(int(i) for i in picked)]
+
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
+        """Build the records sent to one node this round (the base: only the config)."""
+        return RecordDict({wire.CONFIG: self.train_config(ctx, node_id, arch)})
+
+    def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
         """Build the ``config`` record: round, scheme, architecture and task shape."""
         return ConfigRecord(
             {
-                "server-round": server_round,
+                "server-round": ctx.server_round,
                 "scheme": self.name,
                 "arch": arch,
                 "num-classes": self.env.num_classes,
                 "input-shape": list(self.env.input_shape),
+                FEDERATION: self.federation,
             }
         )
 
-    def reply_schema(self, node_id: int, arch: str) -> ReplySchema:
-        """Return what this node's reply must contain."""
-        return ReplySchema(arrays=self.array_spec(arch) if self.sends_weights else None)
+    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
+        """Return what this node's reply must contain (default: metrics only)."""
+        return ReplySchema(arrays=None)
 
-    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Combine this round's valid replies; return extra round-level metrics."""
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Fold one accepted reply into this round's state, as soon as it is pulled.
+
+        Returns the reply to keep for the round's record and :meth:`aggregate`;
+        schemes that fold weights return it without them, so the arrays can be
+        freed. Raising rejects the reply (logged, counted) and leaves the state as
+        it was before.
+        """
+        return reply
+
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Finish the round (it reached its quorum); return extra round-level metrics."""
+        return {}
+
+    def discard(self, ctx: RoundContext) -> None:
+        """Drop what :meth:`fold` gathered: the round is skipped."""
+
+    def evaluate(self, ctx: RoundContext) -> dict[str, Any]:
+        """Server-side evaluation after the round; merged into the round record.
+
+        Default: accuracy of every global model on the server's test set
+        (``global_accuracy`` is their mean, ``None`` when the scheme has none).
+        """
+        by_arch = self.evaluate_global()
+        return {
+            "global_accuracy": float(np.mean(list(by_arch.values()))) if by_arch else None,
+            "global_accuracy_by_arch": by_arch,
+        }
+
+    def end_of_run(self, ctx: RoundContext) -> dict[str, Any]:
+        """Finish the run after its last round; the result goes to ``summary.json``."""
         return {}
 
     def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
@@ -344,99 +428,85 @@ class HeteroStrategy(Strategy):
         """Scheme-specific settings for ``config.json``."""
         return {}
 
-    # -------------------------------------------- Flower Strategy interface
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """One message per participating node, built by :meth:`node_content`."""
-        messages = []
-        ttl = max(self.env.run.round_timeout * 2.0, 60.0)
-        for node_id, arch in sorted(self.assignment.items()):
-            content = self.node_content(server_round, node_id, arch)
-            messages.append(
-                Message(content=content, dst_node_id=node_id, message_type="train", ttl=ttl)
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run: node table, counters, scheme state.
+
+        Subclasses add their own entries (``super().state_dict() | {...}``).
+        """
+        return {
+            "scheme": self.name,
+            "round": self.completed_round,
+            "federation": self.federation,
+            "failed_streak": self.failed_streak,
+            "run_config": self.env.run.to_dict(),
+            "nodes": [info.to_dict() for _, info in sorted(self.nodes.items())],
+            "excluded": {str(n): r for n, r in sorted(self.excluded.items())},
+            "handshake_rejections": [
+                {"node": r.node_id, "reason": r.reason} for r in self._handshake_rejections
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the base part); subclasses restore theirs.
+
+        Raises
+        ------
+        ConfigError
+            If the checkpoint is of another scheme or another experiment.
+        """
+        if state.get("scheme") != self.name:
+            raise ConfigError(
+                f"the checkpoint is of scheme '{state.get('scheme')}' but run-config "
+                f"'strategy' is '{self.name}'; resume with the same strategy"
             )
-        return messages
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies, aggregate the valid ones, record the round."""
-        schemas = {n: self.reply_schema(n, a) for n, a in self.assignment.items()}
-        accepted: list[ClientReply] = []
-        rejected: list[Rejection] = []
-        for reply in replies:
-            checked = validate_reply(
-                reply,
-                expected_nodes=self.assignment,
-                schemas=schemas,
-                bytes_down=self._round_bytes_down,
+        saved = state.get("run_config", {})
+        current = self.env.run.to_dict()
+        changed = [
+            f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+            for k in RESUME_IDENTITY_KEYS
+            if k in saved and saved.get(k) != current.get(k)
+        ]
+        if changed:
+            raise ConfigError(
+                "cannot resume: run-config keys that define the experiment differ from the "
+                f"checkpoint's ({'; '.join(changed)}); use the original values"
             )
-            if isinstance(checked, Rejection):
-                log.warning(
-                    "round %d: rejected reply from node %d: %s",
-                    server_round,
-                    checked.node_id,
-                    checked.reason,
-                )
-                rejected.append(checked)
-            else:
-                accepted.append(checked)
-        extra = self.aggregate(server_round, accepted) if accepted else {}
-        record = self._round_record(server_round, accepted, rejected, extra)
-        self.rounds.append(record)
-        if self.results is not None:
-            self.results.append_round(record)
-        metrics = MetricRecord(
-            {
-                "num-ok": len(accepted),
-                "num-rejected": len(rejected),
-                "personal-accuracy": float(record["personal_accuracy_mean"] or 0.0),
-            }
-        )
-        return None, metrics
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No separate evaluation exchange: clients evaluate inside the train reply."""
-        return []
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
-        return None
-
-    def summary(self) -> None:
-        """Log the scheme's configuration."""
-        log.info(
-            "scheme %s on family %s, %d round(s), round-timeout %gs",
-            self.name,
-            self.env.family,
-            self.env.run.num_server_rounds,
-            self.env.run.round_timeout,
-        )
+        self.completed_round = int(state["round"])
+        self.federation = str(state["federation"])
+        self.failed_streak = int(state.get("failed_streak", 0))
+        self.nodes = {int(d["node"]): NodeInfo.from_dict(d) for d in state.get("nodes", [])}
+        self.excluded = {int(n): str(r) for n, r in state.get("excluded", {}).items()}
+        self._handshake_rejections = [
+            Rejection(int(r["node"]), str(r["reason"]))
+            for r in state.get("handshake_rejections", [])
+        ]
 
     # ------------------------------------------------------------ round loop
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord | None = None,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Any = None,
-    ) -> Result:
-        """Run the handshake and ``num_rounds`` rounds; see the module docstring.
+    def summary(self) -> None:
+        """Log the scheme's configuration."""
+        run = self.env.run
+        log.info(
+            "scheme %s on family %s, %d round(s), round-timeout %gs, aggregator %s, "
+            "fraction-train %g, min-replies %d",
+            self.name,
+            self.env.family,
+            run.num_server_rounds,
+            run.round_timeout,
+            self.aggregator.name,
+            run.fraction_train,
+            run.min_replies,
+        )
+
+    def start(self, grid: Grid, *, num_rounds: int, timeout: float) -> Result:
+        """Run the handshake and rounds ``completed_round + 1 .. num_rounds``.
 
         Parameters
         ----------
         grid : Grid
             Flower's grid.
         num_rounds : int
-            Number of rounds.
+            The last round to run.
         timeout : float
             Seconds each exchange may take.
 
@@ -444,45 +514,188 @@ class HeteroStrategy(Strategy):
         -------
         Result
             Flower's result object (per-round train metrics).
+
+        Raises
+        ------
+        RunStoppedError
+            If ``max-failed-rounds`` rounds in a row were skipped, or fewer than
+            ``min-nodes`` nodes can take part in the first round.
         """
+        run = self.env.run
         self.summary()
+        if self.completed_round:
+            log.info("resuming federation %s after round %d", self.federation, self.completed_round)
         wait_for_nodes(
-            grid, min_nodes=self.env.run.min_nodes, timeout=self.env.run.node_wait_timeout
+            grid,
+            min_nodes=run.min_nodes,
+            timeout=run.node_wait_timeout,
+            retry_timeout=run.superlink_retry_timeout,
         )
         result = Result()
         log.info(TABLE_HEADER)
-        for server_round in range(1, num_rounds + 1):
-            self._round_started = time.monotonic()
-            self._refresh_nodes(grid, timeout)
-            if server_round == 1 and len(self.assignment) < self.env.run.min_nodes:
+        first = self.completed_round + 1
+        ctx: RoundContext | None = None
+        for server_round in range(first, num_rounds + 1):
+            ctx = RoundContext(
+                server_round=server_round,
+                num_rounds=num_rounds,
+                rng=np.random.default_rng([run.seed, server_round]),
+            )
+            record = self._run_round(grid, ctx, timeout, first_of_process=server_round == first)
+            result.train_metrics_clientapp[server_round] = MetricRecord(
+                {
+                    "num-ok": int(record["num_ok"]),
+                    "num-rejected": int(record["num_rejected"]),
+                    "personal-accuracy": float(record["personal_accuracy_mean"] or 0.0),
+                }
+            )
+        if ctx is not None:
+            self.final_metrics = dict(self.end_of_run(ctx))
+        return result
+
+    def _run_round(
+        self, grid: Grid, ctx: RoundContext, timeout: float, *, first_of_process: bool
+    ) -> dict[str, Any]:
+        run = self.env.run
+        self._refresh_nodes(grid, timeout)
+        skip_reason: str | None = None
+        if len(self.assignment) < run.min_nodes:
+            if first_of_process:
                 reasons = "; ".join(
                     f"node {r.node_id}: {r.reason}" for r in self._handshake_rejections
                 )
-                raise RuntimeError(
+                raise RunStoppedError(
                     f"only {len(self.assignment)} node(s) can take part but min-nodes="
-                    f"{self.env.run.min_nodes}; handshake problems: {reasons or 'none'}"
+                    f"{run.min_nodes}; handshake problems: {reasons or 'none'}"
                 )
-            messages = list(self.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
-            outcome = exchange(grid, messages, timeout=timeout)
-            self._round_missing = outcome.missing
-            self._round_bytes_down = outcome.bytes_down
+            self._wait_for_eligible(grid, timeout)
+            if len(self.assignment) < run.min_nodes:
+                skip_reason = (
+                    f"only {len(self.assignment)} node(s) can take part after waiting "
+                    f"node-wait-timeout={run.node_wait_timeout:g}s, min-nodes={run.min_nodes}"
+                )
+        ctx.eligible = dict(self.assignment)
+        if skip_reason is None:
+            selected = self.select_nodes(ctx)
+            ctx.assignment = {n: ctx.eligible[n] for n in selected}
+            ctx.schemas = {n: self.reply_schema(ctx, n, a) for n, a in ctx.assignment.items()}
+            messages = self._messages(ctx)
+            ctx.bytes_down = {
+                int(m.metadata.dst_node_id): wire.payload_bytes(m.content) for m in messages
+            }
+            outcome = exchange(
+                grid,
+                messages,
+                timeout=timeout,
+                on_reply=lambda reply: self._receive(ctx, reply),
+                retry_timeout=run.superlink_retry_timeout,
+                bytes_down=ctx.bytes_down,
+            )
+            ctx.failures = outcome.missing
             for node, reason in outcome.missing.items():
-                log.warning("round %d: node %d failed: %s", server_round, node, reason)
-            _, metrics = self.aggregate_train(server_round, outcome.replies)
-            if metrics is not None:
-                result.train_metrics_clientapp[server_round] = metrics
-            log.info(format_round_row(self.rounds[-1], num_rounds))
-        return result
+                log.warning("round %d: node %d failed: %s", ctx.server_round, node, reason)
+            if len(ctx.accepted) < run.min_replies:
+                skip_reason = (
+                    f"{len(ctx.accepted)} accepted repl{'y' if len(ctx.accepted) == 1 else 'ies'}"
+                    f" of {len(ctx.assignment)} sent, min-replies={run.min_replies}"
+                )
+        extra: dict[str, Any] = {}
+        if skip_reason is None:
+            extra = self.aggregate(ctx, ctx.accepted)
+            self.failed_streak = 0
+        else:
+            self.discard(ctx)
+            self.failed_streak += 1
+            log.warning(
+                "round %d skipped (%d in a row): %s; the global state is unchanged",
+                ctx.server_round,
+                self.failed_streak,
+                skip_reason,
+            )
+        record = self._round_record(ctx, extra, skip_reason)
+        self.rounds.append(record)
+        self.completed_round = ctx.server_round
+        if self.results is not None:
+            self.results.append_round(record)
+            every = run.checkpoint_every
+            if every > 0 and (ctx.server_round % every == 0 or ctx.server_round == ctx.num_rounds):
+                self.results.write_checkpoint(self.state_dict())
+        log.info(format_round_row(record, ctx.num_rounds))
+        if self.failed_streak >= run.max_failed_rounds:
+            raise RunStoppedError(
+                f"{self.failed_streak} rounds in a row were skipped (max-failed-rounds="
+                f"{run.max_failed_rounds}); the last: {skip_reason}. Check the nodes' logs "
+                "and the 'failed'/'rejected' entries in metrics.jsonl"
+            )
+        return record
+
+    def _messages(self, ctx: RoundContext) -> list[Message]:
+        ttl = max(self.env.run.round_timeout * 2.0, 60.0)
+        return [
+            Message(
+                content=self.node_content(ctx, node_id, arch),
+                dst_node_id=node_id,
+                message_type="train",
+                ttl=ttl,
+            )
+            for node_id, arch in sorted(ctx.assignment.items())
+        ]
+
+    def _receive(self, ctx: RoundContext, reply: Message) -> None:
+        """Validate one pulled reply and fold it (or record why it was rejected)."""
+        checked = validate_reply(
+            reply,
+            expected_nodes=ctx.assignment,
+            schemas=ctx.schemas,
+            bytes_down=ctx.bytes_down,
+        )
+        if not isinstance(checked, Rejection):
+            try:
+                checked = self.fold(ctx, checked)
+            except (ValueError, ArithmeticError) as err:
+                checked = Rejection(checked.node_id, f"cannot be aggregated: {err}")
+        if isinstance(checked, Rejection):
+            log.warning(
+                "round %d: rejected reply from node %d: %s",
+                ctx.server_round,
+                checked.node_id,
+                checked.reason,
+            )
+            ctx.rejected.append(checked)
+        else:
+            ctx.accepted.append(checked)
+
+    def _wait_for_eligible(self, grid: Grid, timeout: float) -> None:
+        run = self.env.run
+        deadline = time.monotonic() + run.node_wait_timeout
+        log.warning(
+            "only %d node(s) can take part, min-nodes=%d; waiting up to %gs for more",
+            len(self.assignment),
+            run.min_nodes,
+            run.node_wait_timeout,
+        )
+        while len(self.assignment) < run.min_nodes and time.monotonic() < deadline:
+            time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+            self._refresh_nodes(grid, timeout)
 
     def _refresh_nodes(self, grid: Grid, timeout: float) -> None:
-        """Handshake with nodes not seen yet; forget nodes that disconnected."""
+        """Handshake with nodes not seen yet; leave out nodes that disconnected."""
         from models import list_models
 
-        connected = {int(n) for n in grid.get_node_ids()}
+        retry = self.env.run.superlink_retry_timeout
+        connected = connected_nodes(grid, retry_timeout=retry)
         new = sorted(connected - set(self.nodes) - set(self.excluded))
         if new:
             content = RecordDict(
-                {wire.CONFIG: ConfigRecord({"server-round": 0, "simulation": is_simulation(grid)})}
+                {
+                    wire.CONFIG: ConfigRecord(
+                        {
+                            "server-round": 0,
+                            "simulation": is_simulation(grid),
+                            FEDERATION: self.federation,
+                        }
+                    )
+                }
             )
             msgs = [
                 Message(
@@ -493,7 +706,7 @@ class HeteroStrategy(Strategy):
                 )
                 for n in new
             ]
-            outcome = exchange(grid, msgs, timeout=timeout)
+            outcome = exchange(grid, msgs, timeout=timeout, retry_timeout=retry)
             for node, reason in outcome.missing.items():
                 log.warning("handshake: node %d failed: %s", node, reason)
                 self._handshake_rejections.append(Rejection(node, reason))
@@ -517,7 +730,8 @@ class HeteroStrategy(Strategy):
                 )
                 self.nodes[info.node_id] = info
         for gone in set(self.nodes) - connected:
-            log.warning("node %d disconnected; it is left out until it returns", gone)
+            if gone in self.assignment:
+                log.warning("node %d disconnected; it is left out until it returns", gone)
         present = {n: i for n, i in self.nodes.items() if n in connected}
         assignment = self.assign_architectures(present)
         self.assignment = {n: a for n, a in assignment.items() if a is not None}
@@ -536,6 +750,8 @@ class HeteroStrategy(Strategy):
             "run_config": self.env.run.to_dict(),
             "scheme": self.name,
             "scheme_options": self.describe(),
+            "federation": self.federation,
+            "aggregator": self.aggregator.name,
             "family": self.env.family,
             "num_classes": self.env.num_classes,
             "input_shape": list(self.env.input_shape),
@@ -552,7 +768,7 @@ class HeteroStrategy(Strategy):
     # ------------------------------------------------------------ evaluation
     def evaluate_global(self) -> dict[str, float]:
         """Accuracy of every global model on the server's test set."""
-        from client_app.training import evaluate_model
+        from tessera.training import evaluate_model
 
         out: dict[str, float] = {}
         for arch, arrays in self.global_models().items():
@@ -567,14 +783,10 @@ class HeteroStrategy(Strategy):
         return out
 
     def _round_record(
-        self,
-        server_round: int,
-        accepted: Sequence[ClientReply],
-        rejected: Sequence[Rejection],
-        extra: Mapping[str, Any],
+        self, ctx: RoundContext, extra: Mapping[str, Any], skip_reason: str | None
     ) -> dict[str, Any]:
         clients: list[dict[str, Any]] = []
-        for rep in sorted(accepted, key=lambda r: r.node_id):
+        for rep in sorted(ctx.accepted, key=lambda r: r.node_id):
             info = self.nodes.get(rep.node_id)
             clients.append(
                 {
@@ -588,8 +800,13 @@ class HeteroStrategy(Strategy):
                     "test_loss": rep.metrics[wire.TEST_LOSS],
                     "num_test_examples": int(rep.metrics[wire.NUM_TEST_EXAMPLES]),
                     "bytes_up": rep.bytes_up,
-                    "bytes_down": rep.bytes_down,
+                    "bytes_down": ctx.bytes_down.get(rep.node_id, 0),
                     "train_seconds": rep.metrics[wire.TRAIN_SECONDS],
+                    **(
+                        {"model_rounds": int(rep.metrics["model-rounds"])}
+                        if "model-rounds" in rep.metrics
+                        else {}
+                    ),
                 }
             )
         accs = [c["test_accuracy"] for c in clients if c["num_test_examples"] > 0]
@@ -598,27 +815,31 @@ class HeteroStrategy(Strategy):
         for c in clients:
             if c["num_test_examples"] > 0:
                 by_arch[c["arch"]].append(c["test_accuracy"])
-        global_by_arch = self.evaluate_global()
-        global_acc = float(np.mean(list(global_by_arch.values()))) if global_by_arch else None
-        seconds = time.monotonic() - self._round_started
+        evaluation = self.evaluate(ctx)
+        seconds = time.monotonic() - ctx.started
         slowest = max((c["train_seconds"] for c in clients), default=0.0)
+        partitions = {n: self.nodes[n].partition_id for n in ctx.assignment if n in self.nodes}
         return {
-            "round": server_round,
+            "round": ctx.server_round,
             "strategy": self.name,
+            "skipped": skip_reason is not None,
+            "skip_reason": skip_reason,
             "clients": clients,
-            "num_sent": len(self.assignment),
-            "num_ok": len(accepted),
-            "num_rejected": len(rejected),
-            "num_failed": len(self._round_missing),
-            "rejected": [{"node": r.node_id, "reason": r.reason} for r in rejected],
-            "failed": [{"node": n, "reason": r} for n, r in sorted(self._round_missing.items())],
+            "num_eligible": len(ctx.eligible),
+            "num_sent": len(ctx.assignment),
+            "num_ok": len(ctx.accepted),
+            "num_rejected": len(ctx.rejected),
+            "num_failed": len(ctx.failures),
+            "selected": sorted(ctx.assignment),
+            "selected_partitions": sorted(partitions.values()),
+            "rejected": [{"node": r.node_id, "reason": r.reason} for r in ctx.rejected],
+            "failed": [{"node": n, "reason": r} for n, r in sorted(ctx.failures.items())],
             "personal_accuracy_mean": mean,
             "personal_accuracy_std": std,
             "personal_accuracy_by_arch": {a: float(np.mean(v)) for a, v in sorted(by_arch.items())},
-            "global_accuracy": global_acc,
-            "global_accuracy_by_arch": global_by_arch,
+            **evaluation,
             "bytes_up_total": sum(c["bytes_up"] for c in clients),
-            "bytes_down_total": sum(self._round_bytes_down.values()),
+            "bytes_down_total": sum(ctx.bytes_down.values()),
             "round_seconds": seconds,
             "slowest_train_seconds": slowest,
             "overhead_seconds": seconds - slowest,

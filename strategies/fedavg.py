@@ -16,14 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import RecordDict
 
-from strategies.aggregation import weighted_average
-from strategies.base import HeteroStrategy, NodeInfo
+from strategies.base import NodeInfo, RoundContext
 from strategies.client import ClientAlgorithm
+from strategies.fedavg_groups import FedAvgGroupsStrategy
 from strategies.registry import Scheme, register_scheme
 from strategies.validation import ClientReply
-from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 
 
@@ -50,15 +48,24 @@ class FedAvgOptions:
         return cls(arch=arch, exclude_unfit=r.get("fedavg-exclude-unfit", bool, False))
 
 
-class FedAvgStrategy(HeteroStrategy):
-    """One global model of one architecture, example-weighted averaging."""
+class FedAvgStrategy(FedAvgGroupsStrategy):
+    """One global model of one architecture, example-weighted averaging.
+
+    ``fedavg-groups`` where every node is assigned the same architecture.
+    """
 
     name = "fedavg"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.shared_arch: str | None = None
-        self.global_arrays: dict[str, np.ndarray] | None = None
+
+    @property
+    def global_arrays(self) -> dict[str, np.ndarray] | None:
+        """The global weights (``None`` before the shared architecture is chosen)."""
+        if self.shared_arch is None:
+            return None
+        return self.models.get(self.shared_arch)
 
     def _choose_shared(self, nodes: Mapping[int, NodeInfo]) -> str:
         opts: FedAvgOptions = self.options
@@ -73,7 +80,6 @@ class FedAvgStrategy(HeteroStrategy):
             return {}
         if self.shared_arch is None:
             self.shared_arch = self._choose_shared(nodes)
-            self.global_arrays = self.initial_arrays(self.shared_arch)
         from models import model_entry
 
         entry = model_entry(self.shared_arch)
@@ -83,24 +89,9 @@ class FedAvgStrategy(HeteroStrategy):
             out[node_id] = None if (unfit and self.options.exclude_unfit) else self.shared_arch
         return out
 
-    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
-        """Config plus the global weights."""
-        content = super().node_content(server_round, node_id, arch)
-        assert self.global_arrays is not None  # set in assign_architectures
-        content[wire.ARRAYS] = wire.numpy_to_record(self.global_arrays)
-        return content
-
-    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Example-weighted average of the replies' weights."""
-        arrays = [r.arrays for r in replies if r.arrays is not None]
-        self.global_arrays = weighted_average(arrays, [r.num_examples for r in replies])
-        return {"shared_arch": self.shared_arch}
-
-    def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
-        """Return the one global model."""
-        if self.shared_arch is None or self.global_arrays is None:
-            return {}
-        return {self.shared_arch: self.global_arrays}
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Commit the average; name the shared architecture in the round record."""
+        return {**super().aggregate(ctx, replies), "shared_arch": self.shared_arch}
 
     def describe(self) -> dict[str, Any]:
         """Options and the architecture chosen."""
@@ -109,6 +100,16 @@ class FedAvgStrategy(HeteroStrategy):
             "fedavg-exclude-unfit": self.options.exclude_unfit,
             "shared_arch": self.shared_arch,
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the groups' state plus the shared architecture."""
+        return {**super().state_dict(), "shared_arch": self.shared_arch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the groups' state and the shared architecture."""
+        super().load_state_dict(state)
+        shared = state.get("shared_arch")
+        self.shared_arch = None if shared is None else str(shared)
 
 
 class FedAvgClient(ClientAlgorithm):

@@ -2,53 +2,72 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.aggregation import weighted_average
-from strategies.base import HeteroStrategy
+from strategies.base import HeteroStrategy, RoundContext
 from strategies.client import ClientAlgorithm
+from strategies.groups import GroupModels, fold_weights
 from strategies.registry import Scheme, no_options, register_scheme
-from strategies.validation import ClientReply
+from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
 
 
 class FedAvgGroupsStrategy(HeteroStrategy):
-    """One global model per architecture, each averaged over its own group."""
+    """One global model per architecture, each averaged over its own group.
+
+    Replies are folded through the injected aggregator as they arrive
+    (:class:`~strategies.groups.GroupModels`).
+    """
 
     name = "fedavg-groups"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.group_arrays: dict[str, dict[str, np.ndarray]] = {}
+        self.models = GroupModels(self.aggregator, self.initial_arrays)
 
-    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
+    @property
+    def group_arrays(self) -> dict[str, dict[str, np.ndarray]]:
+        """The current global weights per architecture."""
+        return self.models.arrays
+
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
         """Config plus the node's group model."""
-        content = super().node_content(server_round, node_id, arch)
-        if arch not in self.group_arrays:
-            self.group_arrays[arch] = self.initial_arrays(arch)
-        content[wire.ARRAYS] = wire.numpy_to_record(self.group_arrays[arch])
+        content = super().node_content(ctx, node_id, arch)
+        content[wire.ARRAYS] = wire.numpy_to_record(self.models.get(arch))
         return content
 
-    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Example-weighted FedAvg inside each architecture group."""
-        groups: dict[str, list[ClientReply]] = defaultdict(list)
-        for reply in replies:
-            groups[reply.arch].append(reply)
-        for arch, members in groups.items():
-            self.group_arrays[arch] = weighted_average(
-                [m.arrays for m in members if m.arrays is not None],
-                [m.num_examples for m in members],
-            )
-        return {"group_sizes": {a: len(m) for a, m in sorted(groups.items())}}
+    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
+        """Demand the group model's arrays, exactly."""
+        return ReplySchema(arrays=self.array_spec(arch))
+
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Fold the reply's weights into its group's accumulator."""
+        return fold_weights(self.models, reply)
+
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Commit each group's aggregate."""
+        return {"group_sizes": self.models.commit()}
+
+    def discard(self, ctx: RoundContext) -> None:
+        """Keep the previous group models."""
+        self.models.discard()
 
     def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
         """One model per architecture group."""
-        return dict(self.group_arrays)
+        return dict(self.models.arrays)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the base state plus the group models."""
+        return {**super().state_dict(), "group_models": self.models.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the base state and the group models."""
+        super().load_state_dict(state)
+        self.models.load_state_dict(state.get("group_models", {}))
 
 
 SCHEME = register_scheme(

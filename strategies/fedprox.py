@@ -7,13 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord
 from torch import nn
 
-from client_app.training import LossFn
+from strategies.base import RoundContext
+from strategies.client import RoundInput
 from strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
 from strategies.registry import Scheme, register_scheme
 from tessera.config import ConfigError, ConfigReader
+from tessera.node_state import NodeState
+from tessera.training import LossFn
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,9 @@ class FedProxStrategy(FedAvgStrategy):
 
     name = "fedprox"
 
-    def train_config(self, server_round: int, node_id: int, arch: str) -> ConfigRecord:
+    def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
         """FedAvg's config plus ``proximal-mu``."""
-        config = super().train_config(server_round, node_id, arch)
+        config = super().train_config(ctx, node_id, arch)
         config["proximal-mu"] = self.options.proximal_mu
         return config
 
@@ -74,7 +77,7 @@ def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
 class FedProxClient(FedAvgClient):
     """Cross-entropy plus the proximal term towards the received global weights."""
 
-    def begin_round(self, model: nn.Module, content: RecordDict) -> None:
+    def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
         """Snapshot the global weights as the proximal anchor."""
         self._anchor = [p.detach().clone() for p in model.parameters()]
 

@@ -20,13 +20,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from client_app.training import evaluate_model
-from strategies.base import ServerEnv, wait_for_nodes
+from strategies.base import NodeInfo, ServerEnv, wait_for_nodes
 from strategies.client import ClientAlgorithm
 from strategies.registry import Scheme, register_scheme
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 from tessera.results import ResultsWriter
+from tessera.training import evaluate_model
 
 log = logging.getLogger("flwr.tessera")
 
@@ -88,6 +88,21 @@ class FlowerFedAvgRunner:
         self.options = options
         self.results = results
         self.rounds: list[dict[str, Any]] = []
+        self.nodes: dict[int, NodeInfo] = {}
+        self.final_metrics: dict[str, Any] = {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Not supported: Flower's own loop keeps no resumable state.
+
+        Raises
+        ------
+        ConfigError
+            Always.
+        """
+        raise ConfigError(
+            "strategy 'flwr-fedavg' (Flower's own loop, a benchmark reference) cannot "
+            "resume; leave run-config 'resume' empty"
+        )
 
     def _model(self) -> torch.nn.Module:
         from models import get_model
@@ -100,9 +115,7 @@ class FlowerFedAvgRunner:
             norm=self.env.run.norm,
         )
 
-    def start(
-        self, grid: Grid, *args: Any, num_rounds: int = 3, timeout: float = 3600, **kwargs: Any
-    ) -> Result:
+    def start(self, grid: Grid, *, num_rounds: int, timeout: float) -> Result:
         """Run Flower's loop for ``num_rounds`` rounds."""
         nodes = wait_for_nodes(
             grid, min_nodes=self.env.run.min_nodes, timeout=self.env.run.node_wait_timeout

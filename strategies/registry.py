@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from strategies.client import ClientAlgorithm
+
+if TYPE_CHECKING:
+    from strategies.base import NodeInfo
 
 
 class SchemeError(ValueError):
@@ -17,10 +20,29 @@ class SchemeError(ValueError):
 
 
 class ServerRunner(Protocol):
-    """What the ServerApp needs from a scheme's server side."""
+    """What the ServerApp reads from a scheme's server side, and nothing more."""
 
-    def start(self, grid: Grid, *args: Any, **kwargs: Any) -> Result:
-        """Run the federation."""
+    @property
+    def rounds(self) -> Sequence[Mapping[str, Any]]:
+        """The round records so far (as written to ``metrics.jsonl``)."""
+        ...
+
+    @property
+    def nodes(self) -> Mapping[int, NodeInfo]:
+        """The nodes that passed the handshake."""
+        ...
+
+    @property
+    def final_metrics(self) -> Mapping[str, Any]:
+        """What the end-of-run hook returned (merged into ``summary.json``)."""
+        ...
+
+    def start(self, grid: Grid, *, num_rounds: int, timeout: float) -> Result:
+        """Run rounds up to ``num_rounds``."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint (run-config ``resume``)."""
         ...
 
 

@@ -149,6 +149,14 @@ class RunConfig:
     sim_device_profiles: tuple[str, ...]
     output_dir: str
     run_name: str | None
+    fraction_train: float = 1.0
+    min_train_nodes: int = 1
+    min_replies: int = 1
+    max_failed_rounds: int = 3
+    checkpoint_every: int = 1
+    resume: str | None = None
+    aggregator: str = "mean"
+    superlink_retry_timeout: float = 120.0
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -196,6 +204,14 @@ class RunConfig:
             sim_device_profiles=parse_csv(r.optional_str("sim-device-profiles")),
             output_dir=r.get("output-dir", str, "results"),
             run_name=r.optional_str("run-name"),
+            fraction_train=r.get("fraction-train", float, 1.0),
+            min_train_nodes=r.get("min-train-nodes", int, 1),
+            min_replies=r.get("min-replies", int, 1),
+            max_failed_rounds=r.get("max-failed-rounds", int, 3),
+            checkpoint_every=r.get("checkpoint-every", int, 1),
+            resume=r.optional_str("resume"),
+            aggregator=r.get("aggregator", str, "mean").strip().lower(),
+            superlink_retry_timeout=r.get("superlink-retry-timeout", float, 120.0),
         )
         cfg.validate()
         return cfg
@@ -281,6 +297,37 @@ class RunConfig:
             "use a fraction in (0, 1]",
         )
         _require(
+            0.0 < self.fraction_train <= 1.0,
+            "fraction-train",
+            self.fraction_train,
+            "use a fraction in (0, 1], e.g. 0.5 to train half of the nodes each round",
+        )
+        _require(
+            self.min_train_nodes >= 1,
+            "min-train-nodes",
+            self.min_train_nodes,
+            "use 1 or more nodes",
+        )
+        _require(self.min_replies >= 1, "min-replies", self.min_replies, "use 1 or more replies")
+        _require(
+            self.max_failed_rounds >= 1,
+            "max-failed-rounds",
+            self.max_failed_rounds,
+            "use 1 or more consecutive skipped rounds before the run stops",
+        )
+        _require(
+            self.checkpoint_every >= 0,
+            "checkpoint-every",
+            self.checkpoint_every,
+            "use 0 (never) or write a checkpoint every k >= 1 rounds",
+        )
+        _require(
+            self.superlink_retry_timeout >= 0,
+            "superlink-retry-timeout",
+            self.superlink_retry_timeout,
+            "use a non-negative number of seconds",
+        )
+        _require(
             bool(self.output_dir.strip()),
             "output-dir",
             self.output_dir,
@@ -309,6 +356,9 @@ class NodeConfig:
         Names a predefined device profile instead of probing.
     data_path : str | None
         A local ``.npz`` file the device trains on instead of a partition.
+    state_dir : str | None
+        A folder where the node keeps its state across restarts (profile,
+        personal model, scheme state); ``None`` keeps it in memory only.
     """
 
     partition_id: int | None
@@ -316,6 +366,14 @@ class NodeConfig:
     arch: str | None
     device_profile: str | None
     data_path: str | None
+    state_dir: str | None = None
+
+    @property
+    def owner(self) -> str:
+        """Which data this node trains on, as stored with its state."""
+        if self.data_path is not None:
+            return f"data:{self.data_path}"
+        return f"partition:{self.partition_id}/{self.num_partitions}"
 
     @classmethod
     def from_flower(cls, node_config: Mapping[str, Any]) -> NodeConfig:
@@ -349,4 +407,5 @@ class NodeConfig:
             arch=r.optional_str("arch"),
             device_profile=r.optional_str("device-profile"),
             data_path=data_path,
+            state_dir=r.optional_str("state-dir"),
         )

@@ -6,6 +6,10 @@ Layout of ``<output-dir>/<run-name>/``:
   architectures, written after the handshake (rewritten when nodes join).
 - ``metrics.jsonl``: one JSON object per round, appended and flushed to disk at the
   end of every round, so a crash loses at most the round in flight.
+- ``checkpoint.npz``: the server's state after the last checkpointed round
+  (:mod:`tessera.checkpoint`), from which run-config ``resume=<folder>`` continues;
+  on resume, ``metrics.jsonl`` is cut back to the checkpoint's round (rounds after
+  it are run again) and appended to, so every round appears exactly once.
 - ``summary.json``: final figures, written at the end.
 - ``accuracy.png``, ``bytes.png``, ``label_distribution.png``.
 """
@@ -20,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tessera.checkpoint import CheckpointError, load_state, save_state
+
+CHECKPOINT = "checkpoint.npz"
 
 
 def _json_default(value: Any) -> Any:
@@ -67,20 +75,68 @@ class ResultsWriter:
     ----------
     directory : Path
         ``<output-dir>/<run-name>``; created if missing. A folder that already
-        holds a non-empty ``metrics.jsonl`` raises, so that runs never mix.
+        holds a non-empty ``metrics.jsonl`` raises, so that runs never mix (use
+        :meth:`resume` to continue one).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, _resuming: bool = False) -> None:
         self.directory = directory.resolve()
         metrics = self.directory / "metrics.jsonl"
-        if metrics.exists() and metrics.stat().st_size > 0:
+        if not _resuming and metrics.exists() and metrics.stat().st_size > 0:
             raise FileExistsError(
                 f"results folder {self.directory} already holds a run; choose another "
-                "run-config 'run-name' or remove the folder"
+                "run-config 'run-name', remove the folder, or continue it with "
+                f"run-config resume='{self.directory}'"
             )
         self.directory.mkdir(parents=True, exist_ok=True)
         self.metrics_path = metrics
+        self.checkpoint_path = self.directory / CHECKPOINT
         self.rounds: list[dict[str, Any]] = []
+
+    @classmethod
+    def resume(cls, directory: Path) -> tuple[ResultsWriter, dict[str, Any]]:
+        """Reopen a run's folder to continue it from its checkpoint.
+
+        ``metrics.jsonl`` keeps the rounds up to the checkpoint's (later ones, written
+        after the last checkpoint, are dropped: they will run again).
+
+        Returns
+        -------
+        tuple[ResultsWriter, dict[str, Any]]
+            The writer (its ``rounds`` hold the kept records) and the checkpoint.
+
+        Raises
+        ------
+        CheckpointError
+            If the folder has no readable checkpoint.
+        """
+        folder = Path(directory).expanduser().resolve()
+        if not (folder / CHECKPOINT).is_file():
+            raise CheckpointError(
+                f"run-config 'resume' is '{directory}', which holds no {CHECKPOINT}; name "
+                "the results folder of a run that wrote checkpoints (checkpoint-every >= 1)"
+            )
+        state = load_state(folder / CHECKPOINT)
+        writer = cls(folder, _resuming=True)
+        last = int(state.get("round", 0))
+        kept: list[dict[str, Any]] = []
+        if writer.metrics_path.exists():
+            for line in writer.metrics_path.read_text(encoding="utf-8").splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by the crash: it and anything after are redone
+                if int(record.get("round", 0)) <= last:
+                    kept.append(record)
+        _write_atomic(writer.metrics_path, "".join(dumps(r) + "\n" for r in kept))
+        writer.rounds = kept
+        return writer, state
+
+    def write_checkpoint(self, state: Mapping[str, Any]) -> int:
+        """Write the server's state to ``checkpoint.npz`` atomically; return its size."""
+        return save_state(self.checkpoint_path, state)
 
     def write_config(self, config: Mapping[str, Any]) -> None:
         """Write ``config.json`` (atomically)."""
@@ -211,7 +267,10 @@ def format_round_row(record: Mapping[str, Any], num_rounds: int) -> str:
         f"{record['bytes_down_total'] / 1e6:.3f}".rjust(8),
         f"{record['round_seconds']:.2f}".rjust(7),
     ]
-    return "| " + " | ".join(cells) + " |"
+    row = "| " + " | ".join(cells) + " |"
+    if record.get("skipped"):
+        row += f" skipped: {record.get('skip_reason')}"
+    return row
 
 
 TABLE_HEADER = (

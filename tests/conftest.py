@@ -346,3 +346,35 @@ def simulated_rounds(tmp_path: Path, run_config: str) -> list[dict[str, Any]]:
 
     lines = (simulate(tmp_path, run_config) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def round_input(
+    content: RecordDict,
+    *,
+    arch: str = "cnn-3",
+    num_classes: int | None = None,
+    input_shape: tuple[int, ...] = (1, 8, 8),
+) -> Any:
+    """A :class:`~strategies.client.RoundInput` for calling a client's hooks directly."""
+    from flwr.app import ConfigRecord
+
+    from strategies.client import RoundInput
+    from tessera import wire
+
+    config = content.config_records.get(wire.CONFIG, ConfigRecord())
+    classes = num_classes if num_classes is not None else int(config.get("num-classes", 10))
+    return RoundInput(
+        server_round=int(config.get("server-round", 1)),
+        arch=arch,
+        num_classes=classes,
+        input_shape=input_shape,
+        content=content,
+        config=config,
+    )
+
+
+def memory_state() -> Any:
+    """An empty in-memory :class:`~tessera.node_state.NodeState`."""
+    from tessera.node_state import NodeState
+
+    return NodeState(RecordDict(), owner="test")

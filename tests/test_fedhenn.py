@@ -27,18 +27,23 @@ from strategies.fedhenn.kbar import average_kernel, factorise
 from strategies.fedhenn.scheme import (
     ALIGN,
     PROBE,
+    RAD_ROUND_KEY,
     REP,
     FedHeNNClient,
     FedHeNNOptions,
-    HeterogeneousClient,
-    HomogeneousClient,
     RadSampler,
     representation_problem,
 )
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.data import split_server_pool
-from tests.conftest import install_fast_clients, simulated_rounds, torch_threads
+from tests.conftest import (
+    install_fast_clients,
+    memory_state,
+    round_input,
+    simulated_rounds,
+    torch_threads,
+)
 from tests.test_strategies import TINY, Federation, run_federation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,9 +150,14 @@ def server_pool_x(fed: Federation, digits_bundle: Any) -> np.ndarray:
 def rad_arrays(message: Message) -> dict[str, np.ndarray]:
     out = {}
     for name in (ALIGN, PROBE):
-        if name in message.content.array_records:
-            out[name] = message.content.array_records[name]["x"].numpy()
+        records = message.content.array_records
+        if name in records and "x" in records[name]:
+            out[name] = records[name]["x"].numpy()
     return out
+
+
+def rad_records(message: Message) -> set[str]:
+    return set(message.content.array_records) & {ALIGN, PROBE}
 
 
 # --------------------------------------------------------------------------- options
@@ -212,9 +222,9 @@ def test_client_constructor_picks_the_mode(default_run_config: dict[str, Any]) -
     second = FedHeNNClient(run=run, options=homo)
 
     # Assert
-    assert isinstance(first, HeterogeneousClient)
+    assert first.heterogeneous
     assert first.keeps_personal_model and not first.sends_weights
-    assert isinstance(second, HomogeneousClient)
+    assert not second.heterogeneous
     assert second.sends_weights and not second.keeps_personal_model
 
 
@@ -287,12 +297,19 @@ def test_heterogeneous_round_trip(federation: FederationRunner) -> None:
         by_round.setdefault(int(m.content.config_records[wire.CONFIG]["server-round"]), []).append(
             m
         )
-    assert [set(rad_arrays(m)) for m in by_round[1]] == [{PROBE}] * 3
-    assert [set(rad_arrays(m)) for m in by_round[2]] == [{ALIGN, PROBE}] * 3
-    assert [set(rad_arrays(m)) for m in by_round[3]] == [{ALIGN}] * 3
+    assert [rad_records(m) for m in by_round[1]] == [{PROBE}] * 3
+    assert [rad_records(m) for m in by_round[2]] == [{ALIGN, PROBE}] * 3
+    assert [rad_records(m) for m in by_round[3]] == [{ALIGN}] * 3
+    for rnd in (2, 3):
+        for m in by_round[rnd]:
+            config = m.content.config_records[wire.CONFIG]
+            assert config["fedhenn-eta"] > 0
+            assert wire.ARRAYS not in m.content.array_records
+            # every node kept the previous round's probe RAD: only K_bar's factor travels
+            assert set(m.content.array_records[ALIGN]) == {"target"}
+            assert config[RAD_ROUND_KEY] == rnd - 1
     for m in by_round[2]:
         assert m.content.config_records[wire.CONFIG]["fedhenn-eta"] == pytest.approx(1.0)
-        assert wire.ARRAYS not in m.content.array_records
     first, second, third = fed.server.rounds
     assert all(r["num_ok"] == 3 and r["num_rejected"] == 0 for r in fed.server.rounds)
     assert first["eta"] == 0.0 and first["cka_mean"] is None
@@ -461,13 +478,13 @@ def test_homogeneous_with_eta0_zero_reproduces_fedavg(federation: FederationRunn
 # ------------------------------------------------------------------------ client maths
 def aligned_client(
     default_run_config: dict[str, Any], *, rad_batch: int
-) -> tuple[HomogeneousClient, nn.Module, RecordDict]:
+) -> tuple[FedHeNNClient, nn.Module, RecordDict]:
     run = RunConfig.from_flower(default_run_config)
     options = FedHeNNOptions(
         arch=None, exclude_unfit=False, mode="homogeneous", rad_batch=rad_batch
     )
     client = FedHeNNClient(run=run, options=options)
-    assert isinstance(client, HomogeneousClient)
+    assert not client.heterogeneous
     torch.manual_seed(0)
     model = get_model("cnn-3", input_shape=(1, 8, 8), num_classes=10)
     rad = np.random.default_rng(1).random((24, 1, 8, 8)).astype(np.float32)
@@ -485,7 +502,7 @@ def test_client_loss_gradient_is_that_of_task_plus_eta_one_minus_cka(
 ) -> None:
     # Prepare: whole RAD per step (rad-batch 0), so the objective is deterministic
     client, model, content = aligned_client(default_run_config, rad_batch=0)
-    client.begin_round(model, content)
+    client.begin_round(model, round_input(content), memory_state())
     with torch.no_grad():  # move away from the global model so CKA < 1
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -523,7 +540,7 @@ def test_alignment_pass_leaves_batch_norm_statistics_alone(
 ) -> None:
     # Prepare
     client, model, content = aligned_client(default_run_config, rad_batch=8)
-    client.begin_round(model, content)
+    client.begin_round(model, round_input(content), memory_state())
     model.train()
     x = torch.rand(6, 1, 8, 8)
     y = torch.zeros(6, dtype=torch.int64)
@@ -547,10 +564,10 @@ def test_eta_zero_client_is_plain_cross_entropy(default_run_config: dict[str, An
     content[wire.CONFIG]["fedhenn-eta"] = 0.0
 
     # Execute
-    client.begin_round(model, content)
+    client.begin_round(model, round_input(content), memory_state())
 
     # Assert
-    from client_app.training import cross_entropy_loss
+    from tessera.training import cross_entropy_loss
 
     assert client.loss_fn() is cross_entropy_loss
     assert client.align_x is None and client.setup_seconds == 0.0

@@ -43,13 +43,18 @@ from strategies.felo.knowledge import (
 from strategies.felo.scheme import (
     ClassTargets,
     FeloClient,
-    FeloKnowledgeOnlyClient,
     FeloOptions,
     loss_terms,
 )
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
-from tests.conftest import install_fast_clients, simulated_rounds, torch_threads
+from tests.conftest import (
+    install_fast_clients,
+    memory_state,
+    round_input,
+    simulated_rounds,
+    torch_threads,
+)
 from tests.test_strategies import Federation, run_federation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +362,7 @@ def test_felo_client_loss_is_equation_one(default_run_config: dict[str, Any]) ->
     # Prepare
     client = FeloClient(run=RunConfig.from_flower(default_run_config), options=_options())
     model = Tiny()
-    client.begin_round(model, _train_content(TARGETS))
+    client.begin_round(model, round_input(_train_content(TARGETS)), memory_state())
     ce, mse, kl = _hand_terms(1.0)
 
     # Execute
@@ -373,7 +378,7 @@ def test_felo_client_round_one_is_plain_cross_entropy(
     # Prepare: no class targets in the message
     client = FeloClient(run=RunConfig.from_flower(default_run_config), options=_options())
     model = Tiny()
-    client.begin_round(model, _train_content(None))
+    client.begin_round(model, round_input(_train_content(None)), memory_state())
 
     # Execute
     loss = client.loss_fn()(model, X, Y)
@@ -387,7 +392,9 @@ def test_fedhe_client_loss_has_no_feature_term(default_run_config: dict[str, Any
     options = FeloOptions.parse_fedhe({**default_run_config, "feature-dim": 2})
     client = FeloClient(run=RunConfig.from_flower(default_run_config), options=options)
     model = Tiny()
-    client.begin_round(model, _train_content(TARGETS.without_features()))
+    client.begin_round(
+        model, round_input(_train_content(TARGETS.without_features())), memory_state()
+    )
     ce, _, kl = _hand_terms(1.0)
 
     # Execute
@@ -404,7 +411,7 @@ def test_client_rejects_targets_of_another_feature_size(
         run=RunConfig.from_flower(default_run_config), options=_options(feature_dim=5)
     )
     with pytest.raises(ConfigError, match="feature-dim"):
-        client.begin_round(Tiny(), _train_content(TARGETS))
+        client.begin_round(Tiny(), round_input(_train_content(TARGETS)), memory_state())
 
 
 def test_client_variant_follows_weight_sharing(default_run_config: dict[str, Any]) -> None:
@@ -418,7 +425,7 @@ def test_client_variant_follows_weight_sharing(default_run_config: dict[str, Any
     # Assert
     assert type(sharing) is FeloClient
     assert sharing.sends_weights and not sharing.keeps_personal_model
-    assert isinstance(knowledge_only, FeloKnowledgeOnlyClient)
+    assert type(knowledge_only) is FeloClient
     assert not knowledge_only.sends_weights and knowledge_only.keeps_personal_model
     assert knowledge_only.options.share_weights is False
 
@@ -433,7 +440,7 @@ def test_client_sends_per_class_means_of_its_training_data(
     data = ArrayDataset(X.numpy(), np.array([0, 2, 0], dtype=np.int64))
 
     # Execute
-    records = client.extra_records(Tiny(), data, torch.device("cpu"))
+    records = {KNOWLEDGE: client.knowledge_record(Tiny(), data, torch.device("cpu"))}
 
     # Assert: class 0 = mean of [1, 0] and [1, 1]; class 2 = [0, 2]
     k = record_to_knowledge(records[KNOWLEDGE])

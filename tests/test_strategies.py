@@ -24,21 +24,23 @@ from flwr.serverapp.strategy import Result
 from torch import nn
 
 from models import model_entry
+from server_app.app import build_server
 from strategies import get_scheme, list_schemes, register_scheme
 from strategies import registry as scheme_registry
-from strategies.base import ServerEnv, exchange, parse_handshake, wait_for_nodes
+from strategies.base import exchange, parse_handshake, wait_for_nodes
 from strategies.fedprox import FedProxClient, FedProxOptions, proximal_term
 from strategies.validation import Rejection
 from tessera import wire
 from tessera.config import RunConfig
-from tessera.data import split_server_pool
-from tessera.results import ResultsWriter, plot_rounds
+from tessera.results import plot_rounds
 from tests.conftest import (
     FakeGrid,
     client_handlers,
     install_fast_clients,
     make_context,
+    memory_state,
     nan_first_float_array,
+    round_input,
     torch_threads,
 )
 
@@ -113,21 +115,10 @@ def run_federation(
     grid.tamper.update(tamper or {})
     grid.silent.update(silent or set())
     grid.handlers.update(handlers or {})
-    run = RunConfig.from_flower(run_config)
-    scheme = get_scheme(run.strategy)
-    _, pool = split_server_pool(bundle, pool_fraction=run.server_pool_fraction, seed=run.seed)
-    env = ServerEnv(
-        run=run,
-        num_classes=bundle.num_classes,
-        input_shape=bundle.input_shape,
-        global_test=bundle.test,
-        server_pool=pool,
-        family=run.model_family or scheme.default_family,
-    )
-    server = scheme.server(
-        env=env, options=scheme.parse_options(run_config), results=ResultsWriter(run_dir)
-    )
-    result = server.start(grid, num_rounds=num_rounds, timeout=run.round_timeout)
+    config = {**run_config, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
+    built = build_server(config, bundle=bundle)
+    server = built.runner
+    result = server.start(grid, num_rounds=num_rounds, timeout=built.env.run.round_timeout)
     return Federation(server, grid, result, run_dir)
 
 
@@ -585,7 +576,7 @@ def test_fedprox_client_loss_adds_half_mu_times_proximal_term(
     with torch.no_grad():
         model.weight.zero_()
         model.bias.zero_()
-    client.begin_round(model, RecordDict())
+    client.begin_round(model, round_input(RecordDict()), memory_state())
     with torch.no_grad():
         model.weight.fill_(1.0)
         model.bias.fill_(1.0)
@@ -726,21 +717,10 @@ def test_flwr_fedavg_rounds_can_be_plotted(
         for i, node in enumerate(NODE_IDS)
     }
     grid = FakeGrid(contexts)
-    run = RunConfig.from_flower(config)
-    scheme = get_scheme("flwr-fedavg")
-    _, pool = split_server_pool(digits_bundle, pool_fraction=run.server_pool_fraction, seed=42)
-    env = ServerEnv(
-        run=run,
-        num_classes=10,
-        input_shape=(1, 8, 8),
-        global_test=digits_bundle.test,
-        server_pool=pool,
-        family="cnn",
-    )
-    runner = scheme.server(
-        env=env, options=scheme.parse_options(config), results=ResultsWriter(tmp_path / "r")
-    )
-    runner.start(grid=grid, num_rounds=1, timeout=run.round_timeout)
+    config = {**config, "output-dir": str(tmp_path), "run-name": "r"}
+    built = build_server(config, bundle=digits_bundle)
+    runner, run = built.runner, built.env.run
+    runner.start(grid, num_rounds=1, timeout=run.round_timeout)
     assert len(runner.rounds) == 1
     assert runner.rounds[0]["num_ok"] == 3
 

@@ -37,7 +37,10 @@ the local data). Its forward and backward time is measured and reported per roun
 Payload schema (records beside the foundation's ``config``/``arrays``/``metrics``):
 
 - down ``fedhenn.align`` (ArrayRecord): ``x`` the RAD rows to align on; in
-  heterogeneous mode also ``target``, the ``n x r`` factor of ``K_bar``;
+  heterogeneous mode also ``target``, the ``n x r`` factor of ``K_bar``. A node that
+  returned its representation of that RAD when it was the probe keeps the RAD in its
+  node state, so ``x`` is left out for it and config ``fedhenn-rad-round`` names the
+  round whose probe to use (the RAD crosses the network once, not twice);
 - down ``fedhenn.probe`` (ArrayRecord, heterogeneous): ``x`` the RAD to represent;
 - down config ``fedhenn-eta`` (this round's eta) and ``fedhenn-mode``;
 - up ``fedhenn.rep`` (ArrayRecord, heterogeneous, when probed): ``rep``, the
@@ -59,10 +62,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from client_app.training import LossFn, cross_entropy_loss
 from models.base import TesseraModel, count_parameters
-from strategies.base import HeteroStrategy, ServerEnv
-from strategies.client import ClientAlgorithm, Record
+from strategies.base import HeteroStrategy, RoundContext, ServerEnv
+from strategies.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
 from strategies.fedavg import FedAvgOptions, FedAvgStrategy
 from strategies.fedhenn.cka import kernel_cka, linear_cka, rbf_cka, rbf_kernel
 from strategies.fedhenn.kbar import FactoredKernel, average_kernel, factorise
@@ -70,7 +72,9 @@ from strategies.registry import Scheme, register_scheme
 from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader, RunConfig
+from tessera.node_state import NodeState
 from tessera.results import ResultsWriter
+from tessera.training import LossFn, cross_entropy_loss
 
 log = logging.getLogger("flwr.tessera")
 
@@ -90,6 +94,11 @@ REP = "fedhenn.rep"
 STATS = "fedhenn.stats"
 ETA_KEY = "fedhenn-eta"
 MODE_KEY = "fedhenn-mode"
+RAD_ROUND_KEY = "fedhenn-rad-round"
+STATE_PROBE = "fedhenn.probe-rad"
+"""Node state: the last probe RAD (``x``) this node represented."""
+STATE_PROBE_META = "fedhenn.probe-rad-meta"
+"""Node state: ``round`` of that probe."""
 STAT_ALIGN_SECONDS = "alignment-seconds"
 STAT_SETUP_SECONDS = "setup-seconds"
 STAT_REP_SECONDS = "rep-seconds"
@@ -382,28 +391,28 @@ class FedHeNNHomogeneousStrategy(FedAvgStrategy):
             env.server_pool.x, rad_size=options.rad_size, seed=env.run.seed, dtype=options.precision
         )
 
-    def train_config(self, server_round: int, node_id: int, arch: str) -> ConfigRecord:
+    def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
         """FedAvg's config plus this round's eta and the mode."""
-        config = super().train_config(server_round, node_id, arch)
-        config[ETA_KEY] = self.options.eta(server_round)
+        config = super().train_config(ctx, node_id, arch)
+        config[ETA_KEY] = self.options.eta(ctx.server_round)
         config[MODE_KEY] = HOMOGENEOUS
         return config
 
-    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
         """Global weights, and the RAD when ``eta(t) > 0``."""
-        content = super().node_content(server_round, node_id, arch)
-        if self.options.eta(server_round) > 0:
-            content[ALIGN] = wire.numpy_to_record({"x": self.rad.draw(server_round)})
+        content = super().node_content(ctx, node_id, arch)
+        if self.options.eta(ctx.server_round) > 0:
+            content[ALIGN] = wire.numpy_to_record({"x": self.rad.draw(ctx.server_round)})
         return content
 
-    def reply_schema(self, node_id: int, arch: str) -> ReplySchema:
+    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
         """FedAvg's weights plus the alignment statistics."""
         return ReplySchema(arrays=self.array_spec(arch), extra=_stats_problem)
 
-    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """FedAvg, plus the round's alignment metrics."""
-        out = super().aggregate(server_round, replies)
-        eta = self.options.eta(server_round)
+        out = super().aggregate(ctx, replies)
+        eta = self.options.eta(ctx.server_round)
         out.update(alignment_metrics(replies, eta))
         out["rad_rows"] = self.rad.rows if eta > 0 else 0
         return out
@@ -427,7 +436,6 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
     """Personal models on their own architectures, aligned to the averaged kernel."""
 
     name = "fedhenn"
-    sends_weights = False
 
     def __init__(self, *, env: ServerEnv, options: FedHeNNOptions, **kwargs: Any) -> None:
         super().__init__(env=env, options=options, **kwargs)
@@ -438,7 +446,8 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
         self.target: AlignmentTarget | None = None
         self._feature_dims: dict[str, int] = {}
         self._capacities: dict[str, int] = {}
-        self._current_round = 0
+        self.rad_holders: dict[int, int] = {}
+        """Node id -> the round whose probe RAD the node holds in its state."""
 
     def _probes(self, server_round: int) -> bool:
         """Whether this round's replies feed a ``K_bar`` that a later round uses."""
@@ -457,29 +466,43 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
             self._capacities[arch] = count_parameters(model)
         return self._feature_dims[arch]
 
-    def train_config(self, server_round: int, node_id: int, arch: str) -> ConfigRecord:
+    def _holds_rad(self, node_id: int) -> bool:
+        """Whether the node keeps the RAD of the current target in its state."""
+        return self.target is not None and self.rad_holders.get(node_id) == (
+            self.target.built_in_round
+        )
+
+    def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
         """Return the base config plus this round's eta (0 while there is no target)."""
-        config = super().train_config(server_round, node_id, arch)
-        config[ETA_KEY] = self.options.eta(server_round) if self._aligns(server_round) else 0.0
+        config = super().train_config(ctx, node_id, arch)
+        aligns = self._aligns(ctx.server_round)
+        config[ETA_KEY] = self.options.eta(ctx.server_round) if aligns else 0.0
         config[MODE_KEY] = HETEROGENEOUS
+        if aligns and self._holds_rad(node_id):
+            assert self.target is not None
+            config[RAD_ROUND_KEY] = self.target.built_in_round
         return config
 
-    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
-        """Config, ``K_bar`` with its RAD (when aligning) and the probe RAD."""
-        self._current_round = server_round  # the reply schema depends on it
-        content = super().node_content(server_round, node_id, arch)
-        if self._aligns(server_round):
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
+        """Config, ``K_bar`` with its RAD (when aligning) and the probe RAD.
+
+        The aligning RAD is left out for nodes that keep it from the round it was
+        their probe (config ``fedhenn-rad-round`` tells them which).
+        """
+        content = super().node_content(ctx, node_id, arch)
+        if self._aligns(ctx.server_round):
             assert self.target is not None
-            content[ALIGN] = wire.numpy_to_record(
-                {"x": self.target.x, "target": self.target.kernel.factor}
-            )
-        if self._probes(server_round):
-            content[PROBE] = wire.numpy_to_record({"x": self.rad.draw(server_round)})
+            align = {"target": self.target.kernel.factor}
+            if not self._holds_rad(node_id):
+                align["x"] = self.target.x
+            content[ALIGN] = wire.numpy_to_record(align)
+        if self._probes(ctx.server_round):
+            content[PROBE] = wire.numpy_to_record({"x": self.rad.draw(ctx.server_round)})
         return content
 
-    def reply_schema(self, node_id: int, arch: str) -> ReplySchema:
+    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
         """Statistics, and the probe representation when one was asked for."""
-        probed = self._probes(self._current_round)
+        probed = self._probes(ctx.server_round)
         rows, dim = self.rad.rows, self._feature_dim(arch)
 
         def extra(content: RecordDict) -> str | None:
@@ -499,10 +522,16 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
             return [float(self._capacities[r.arch]) for r in replies]
         return [1.0] * len(replies)
 
-    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Average the probe representations' kernels into the next round's ``K_bar``."""
+        server_round = ctx.server_round
         aligned = self._aligns(server_round)
         probed = self._probes(server_round)
+        for node in ctx.failures:
+            self.rad_holders.pop(node, None)
+        if probed:
+            for r in replies:
+                self.rad_holders[r.node_id] = server_round
         out = alignment_metrics(replies, self.options.eta(server_round) if aligned else 0.0)
         n = self.rad.rows
         shipped = self.target.kernel.nbytes if aligned and self.target is not None else 0
@@ -539,9 +568,50 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
             )
         return out
 
+    def discard(self, ctx: RoundContext) -> None:
+        """Keep the target (the round is skipped); nodes that failed may have lost their RAD."""
+        for node in ctx.failures:
+            self.rad_holders.pop(node, None)
+
     def describe(self) -> dict[str, Any]:
         """FedHeNN's options and the RAD rows actually used."""
         return {**self.options.describe(), "rad_rows": self.rad.rows}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the base state, the current ``K_bar`` target and who holds which RAD."""
+        target = None
+        if self.target is not None:
+            k = self.target.kernel
+            target = {
+                "x": self.target.x,
+                "factor": k.factor,
+                "rank": k.rank,
+                "energy": k.energy,
+                "cka": k.cka,
+                "built_in_round": self.target.built_in_round,
+            }
+        return {
+            **super().state_dict(),
+            "target": target,
+            "rad_holders": {str(n): r for n, r in self.rad_holders.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        target = state.get("target")
+        self.target = None
+        if target is not None:
+            kernel = FactoredKernel(
+                factor=np.asarray(target["factor"]),
+                rank=int(target["rank"]),
+                energy=float(target["energy"]),
+                cka=float(target["cka"]),
+            )
+            self.target = AlignmentTarget(
+                np.asarray(target["x"]), kernel, int(target["built_in_round"])
+            )
+        self.rad_holders = {int(n): int(r) for n, r in state.get("rad_holders", {}).items()}
 
 
 def fedhenn_server(
@@ -598,28 +668,26 @@ def _tensor(record: ArrayRecord, key: str, device: torch.device) -> torch.Tensor
 class FedHeNNClient(ClientAlgorithm):
     """Client side of FedHeNN: cross-entropy plus ``eta * (1 - CKA)`` on RAD subsets.
 
-    ``FedHeNNClient(run=..., options=...)`` returns the subclass of the configured
-    mode (:class:`HomogeneousClient` or :class:`HeterogeneousClient`), whose class
-    attributes tell the ClientApp whether weights travel and whether the model
-    persists in the node's state.
+    The mode is decided here, from the options. Homogeneous: the node trains the
+    received global model, sends its weights, and aligns to that model's own
+    representation of the RAD. Heterogeneous: the node keeps a personal model in its
+    state, sends no weights, aligns to the factor of ``K_bar`` and reports its
+    representation of the probe RAD, which it also keeps in its state (the server
+    then need not send that RAD again when it aligns on it next round).
     """
-
-    target_is_factor = False
-
-    def __new__(cls, *, run: RunConfig, options: FedHeNNOptions) -> FedHeNNClient:
-        """Pick the subclass of ``options.mode``."""
-        if cls is FedHeNNClient:
-            cls = HeterogeneousClient if options.mode == HETEROGENEOUS else HomogeneousClient
-        instance: FedHeNNClient = super().__new__(cls)
-        return instance
 
     def __init__(self, *, run: RunConfig, options: FedHeNNOptions) -> None:
         super().__init__(run=run, options=options)
         self.options: FedHeNNOptions = options
+        self.heterogeneous = options.mode == HETEROGENEOUS
+        self.target_is_factor = self.heterogeneous
+        self.sends_weights = not self.heterogeneous
+        self.keeps_personal_model = self.heterogeneous
         self.eta = 0.0
         self.server_round = 0
         self.align_x: torch.Tensor | None = None
         self.align_target: torch.Tensor | None = None
+        self.probe_x: np.ndarray | None = None
         self.align_seconds = 0.0
         self.setup_seconds = 0.0
         self.rep_seconds = 0.0
@@ -627,10 +695,12 @@ class FedHeNNClient(ClientAlgorithm):
         self.ckas: list[float] = []
 
     # ------------------------------------------------------------------ round setup
-    def begin_round(self, model: nn.Module, content: RecordDict) -> None:
-        """Read eta and the alignment target of this round."""
-        config = content.config_records.get(wire.CONFIG, ConfigRecord())
-        self.server_round = int(config.get("server-round", 0))  # type: ignore[arg-type]
+    def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
+        """Read eta, the alignment target and (heterogeneous) the probe RAD."""
+        content, config = rnd.content, rnd.config
+        self.server_round = rnd.server_round
+        if self.heterogeneous and PROBE in content.array_records:
+            self.probe_x = content.array_records[PROBE]["x"].numpy()
         self.eta = float(config.get(ETA_KEY, 0.0))  # type: ignore[arg-type]
         if self.eta <= 0 or ALIGN not in content.array_records:
             self.eta = 0.0
@@ -638,7 +708,7 @@ class FedHeNNClient(ClientAlgorithm):
         started = time.perf_counter()
         device = next(model.parameters()).device
         record = content.array_records[ALIGN]
-        x = _tensor(record, "x", device)
+        x = self._alignment_rows(record, config, state, device)
         expected = tuple(_as_tessera(model).input_shape)
         if tuple(x.shape[1:]) != expected or x.shape[0] < MIN_RAD_ROWS:
             raise ConfigError(
@@ -655,11 +725,41 @@ class FedHeNNClient(ClientAlgorithm):
             )
         self.setup_seconds += time.perf_counter() - started
 
+    def _alignment_rows(
+        self, record: ArrayRecord, config: ConfigRecord, state: NodeState, device: torch.device
+    ) -> torch.Tensor:
+        """Return the RAD to align on: sent with the target, or the probe kept in node state."""
+        if "x" in record:
+            return _tensor(record, "x", device)
+        wanted = config.get(RAD_ROUND_KEY)
+        meta = state.config(STATE_PROBE_META)
+        kept = state.arrays(STATE_PROBE)
+        held = None if meta is None else int(meta.get("round", -1))  # type: ignore[arg-type]
+        if wanted is None or kept is None or held != int(wanted):  # type: ignore[arg-type]
+            raise ConfigError(
+                f"the server sent no RAD and expects this node to keep the probe of round "
+                f"{wanted!r}, but its state holds round {held}; the node's state was lost "
+                "(restart without node-config 'state-dir'?) - the server sends the RAD "
+                "again next time"
+            )
+        return _tensor(kept, "x", device)
+
     def prepare_target(
         self, model: nn.Module, record: ArrayRecord, x: torch.Tensor, device: torch.device
     ) -> torch.Tensor:
-        """Return the target of this round on the RAD rows ``x``."""
-        raise NotImplementedError
+        """Return the target of this round on the RAD rows ``x``.
+
+        Homogeneous: the just-loaded global model's representation of the RAD (no
+        grad, eval mode). Heterogeneous: the factor of ``K_bar`` the server sent.
+        """
+        if not self.heterogeneous:
+            return _eval_features(model, x)
+        if "target" not in record:
+            raise ConfigError(f"record '{ALIGN}' has no 'target' (the factor of K_bar)")
+        target = _tensor(record, "target", device)
+        if target.dim() != 2:
+            raise ConfigError(f"K_bar's factor must be 2-d, got shape {tuple(target.shape)}")
+        return target
 
     # ------------------------------------------------------------------- objective
     def loss_fn(self) -> LossFn:
@@ -728,11 +828,26 @@ class FedHeNNClient(ClientAlgorithm):
             values[STAT_CKA] = float(np.mean(self.ckas))
         return MetricRecord(values)  # type: ignore[arg-type]
 
-    def extra_records(
-        self, model: nn.Module, train: Any, device: torch.device
-    ) -> Mapping[str, Record]:
-        """Return the alignment statistics."""
-        return {STATS: self.stats_record()}
+    def finish_round(
+        self, model: nn.Module, rnd: RoundInput, outcome: RoundOutcome, state: NodeState
+    ) -> dict[str, Record]:
+        """Return the base records, the statistics and, when probed, the representation."""
+        records = super().finish_round(model, rnd, outcome, state)
+        if self.probe_x is not None:
+            started = time.perf_counter()
+            x = torch.from_numpy(np.asarray(self.probe_x, dtype=np.float32)).to(outcome.device)
+            rep = _eval_features(model, x).cpu().numpy().astype(self.options.precision)
+            records[REP] = wire.numpy_to_record({"rep": rep})
+            self.rep_seconds += time.perf_counter() - started
+        records[STATS] = self.stats_record()
+        return records
+
+    def save_state(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
+        """Keep the personal model (heterogeneous) and the probe RAD just represented."""
+        super().save_state(model, rnd, state)
+        if self.probe_x is not None:
+            state.put(STATE_PROBE, wire.numpy_to_record({"x": self.probe_x}))
+            state.put(STATE_PROBE_META, ConfigRecord({"round": rnd.server_round}))
 
 
 def _as_tessera(model: nn.Module) -> TesseraModel:
@@ -752,59 +867,6 @@ def _eval_features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return tessera_model.forward_features(x).detach()
     finally:
         tessera_model.train(was_training)
-
-
-class HomogeneousClient(FedHeNNClient):
-    """Aligns to the received global model's representation of the RAD."""
-
-    def prepare_target(
-        self, model: nn.Module, record: ArrayRecord, x: torch.Tensor, device: torch.device
-    ) -> torch.Tensor:
-        """Represent the RAD with the just-loaded global model (no grad, eval mode)."""
-        return _eval_features(model, x)
-
-
-class HeterogeneousClient(FedHeNNClient):
-    """Keeps its own model; aligns to ``K_bar``'s factor; reports its representation."""
-
-    keeps_personal_model = True
-    sends_weights = False
-    target_is_factor = True
-
-    def __init__(self, *, run: RunConfig, options: FedHeNNOptions) -> None:
-        super().__init__(run=run, options=options)
-        self.probe_x: np.ndarray | None = None
-
-    def begin_round(self, model: nn.Module, content: RecordDict) -> None:
-        """Also keep the probe RAD to represent after training."""
-        super().begin_round(model, content)
-        if PROBE in content.array_records:
-            self.probe_x = content.array_records[PROBE]["x"].numpy()
-
-    def prepare_target(
-        self, model: nn.Module, record: ArrayRecord, x: torch.Tensor, device: torch.device
-    ) -> torch.Tensor:
-        """Return the factor of ``K_bar`` sent by the server."""
-        if "target" not in record:
-            raise ConfigError(f"record '{ALIGN}' has no 'target' (the factor of K_bar)")
-        target = _tensor(record, "target", device)
-        if target.dim() != 2:
-            raise ConfigError(f"K_bar's factor must be 2-d, got shape {tuple(target.shape)}")
-        return target
-
-    def extra_records(
-        self, model: nn.Module, train: Any, device: torch.device
-    ) -> Mapping[str, Record]:
-        """Statistics and, when probed, the representation of the probe RAD."""
-        records: dict[str, Record] = {}
-        if self.probe_x is not None:
-            started = time.perf_counter()
-            x = torch.from_numpy(np.asarray(self.probe_x, dtype=np.float32)).to(device)
-            rep = _eval_features(model, x).cpu().numpy().astype(self.options.precision)
-            records[REP] = wire.numpy_to_record({"rep": rep})
-            self.rep_seconds += time.perf_counter() - started
-        records[STATS] = self.stats_record()
-        return records
 
 
 SCHEME = register_scheme(
@@ -832,8 +894,6 @@ __all__ = [
     "FedHeNNHeterogeneousStrategy",
     "FedHeNNHomogeneousStrategy",
     "FedHeNNOptions",
-    "HeterogeneousClient",
-    "HomogeneousClient",
     "RadSampler",
     "alignment_cka",
     "alignment_metrics",

@@ -45,15 +45,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import RecordDict
 from torch import nn
 
-from client_app.training import LossFn
 from models.base import TesseraModel
 from models.projection import ProjectedModel
-from strategies.aggregation import weighted_average
-from strategies.base import HeteroStrategy
-from strategies.client import ClientAlgorithm, Record
+from strategies.base import HeteroStrategy, RoundContext
+from strategies.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
 from strategies.felo.cvae import CVAE, CVAEConfig, CVAETrainResult, train_cvae
 from strategies.felo.knowledge import (
     CLASS_TARGETS,
@@ -65,11 +63,14 @@ from strategies.felo.knowledge import (
     merge_knowledge,
     record_to_knowledge,
 )
+from strategies.groups import GroupModels, fold_weights
 from strategies.registry import Scheme, register_scheme
 from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader, RunConfig
 from tessera.data import ArrayDataset
+from tessera.node_state import NodeState
+from tessera.training import LossFn
 
 log = logging.getLogger("flwr.tessera")
 
@@ -309,22 +310,16 @@ def loss_terms(
 class FeloClient(ClientAlgorithm):
     """Client of ``felo``/``velo``/``fedhe``: equation (1), then per-class knowledge.
 
-    Instantiating it with ``share_weights=false`` options gives a
-    :class:`FeloKnowledgeOnlyClient`, which sends no weights and keeps its personal
-    model in the client state (the ClientApp reads these two flags from the class).
+    With ``share_weights`` (Felo's default) it sends its weights for FedAvg within
+    its architecture group; without (``felo-share-weights=false``, FedHe) it sends
+    knowledge only and keeps a personal model in the node's state. Both are decided
+    here, from the options.
     """
-
-    keeps_personal_model = False
-    sends_weights = True
-
-    def __new__(cls, *, run: RunConfig, options: FeloOptions) -> FeloClient:
-        """Pick the weight-sharing or the knowledge-only variant from the options."""
-        if cls is FeloClient and not options.share_weights:
-            return super().__new__(FeloKnowledgeOnlyClient)
-        return super().__new__(cls)
 
     def __init__(self, *, run: RunConfig, options: FeloOptions) -> None:
         super().__init__(run=run, options=options)
+        self.sends_weights = options.share_weights
+        self.keeps_personal_model = not options.share_weights
         self.targets: ClassTargets | None = None
 
     @property
@@ -345,13 +340,13 @@ class FeloClient(ClientAlgorithm):
             options=self.felo,
         )
 
-    def begin_round(self, model: nn.Module, content: RecordDict) -> None:
+    def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
         """Read the server's per-class targets, if it sent any (none in round 1)."""
         self.targets = None
+        content = rnd.content
         if CLASS_TARGETS not in content.array_records:
             return
-        config = content.config_records.get(wire.CONFIG, ConfigRecord())
-        num_classes = int(config.get("num-classes", 0))  # type: ignore[arg-type]
+        num_classes = rnd.num_classes
         knowledge = record_to_knowledge(content.array_records[CLASS_TARGETS])
         width = None if knowledge.features is None else knowledge.features.shape[1]
         expected = self.felo.feature_dim if self.felo.exchange_features else None
@@ -376,10 +371,18 @@ class FeloClient(ClientAlgorithm):
 
         return loss
 
-    def extra_records(
+    def finish_round(
+        self, model: nn.Module, rnd: RoundInput, outcome: RoundOutcome, state: NodeState
+    ) -> dict[str, Record]:
+        """Return the base records plus the per-class means of the training data."""
+        records = super().finish_round(model, rnd, outcome, state)
+        records[KNOWLEDGE] = self.knowledge_record(model, outcome.train, outcome.device)
+        return records
+
+    def knowledge_record(
         self, model: nn.Module, train: ArrayDataset, device: torch.device
-    ) -> Mapping[str, Record]:
-        """Return the per-class mean features (if exchanged) and logits of the training data."""
+    ) -> Record:
+        """Per-class mean features (if exchanged) and logits of ``train``."""
         assert isinstance(model, TesseraModel)
         knowledge = collect_knowledge(
             model,
@@ -388,14 +391,7 @@ class FeloClient(ClientAlgorithm):
             with_features=self.felo.exchange_features,
             device=device,
         )
-        return {KNOWLEDGE: knowledge_to_record(knowledge)}
-
-
-class FeloKnowledgeOnlyClient(FeloClient):
-    """A Felo client that shares knowledge only and keeps a personal model."""
-
-    keeps_personal_model = True
-    sends_weights = False
+        return knowledge_to_record(knowledge)
 
 
 # --------------------------------------------------------------------- server side
@@ -406,7 +402,7 @@ class FeloStrategy(HeteroStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.group_arrays: dict[str, dict[str, np.ndarray]] = {}
+        self.models = GroupModels(self.aggregator, self.initial_arrays)
         self.targets: ClassKnowledge | None = None
 
     @property
@@ -414,6 +410,11 @@ class FeloStrategy(HeteroStrategy):
         """The typed options."""
         opts: FeloOptions = self.options
         return opts
+
+    @property
+    def group_arrays(self) -> dict[str, dict[str, np.ndarray]]:
+        """The current global weights per architecture (empty without weight sharing)."""
+        return self.models.arrays
 
     def build_model(self, arch: str) -> nn.Module:
         """Build the scheme's model of ``arch`` (projected if features are exchanged), seeded."""
@@ -426,18 +427,16 @@ class FeloStrategy(HeteroStrategy):
             options=self.felo,
         )
 
-    def node_content(self, server_round: int, node_id: int, arch: str) -> RecordDict:
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
         """Config, the group's weights (when shared) and the per-class targets (if any)."""
-        content = super().node_content(server_round, node_id, arch)
+        content = super().node_content(ctx, node_id, arch)
         if self.felo.share_weights:
-            if arch not in self.group_arrays:
-                self.group_arrays[arch] = self.initial_arrays(arch)
-            content[wire.ARRAYS] = wire.numpy_to_record(self.group_arrays[arch])
+            content[wire.ARRAYS] = wire.numpy_to_record(self.models.get(arch))
         if self.targets is not None:
             content[CLASS_TARGETS] = knowledge_to_record(self.targets)
         return content
 
-    def reply_schema(self, node_id: int, arch: str) -> ReplySchema:
+    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
         """Weights when shared, and a valid ``knowledge`` record."""
         check = functools.partial(
             check_knowledge_record,
@@ -447,25 +446,25 @@ class FeloStrategy(HeteroStrategy):
         arrays = self.array_spec(arch) if self.felo.share_weights else None
         return ReplySchema(arrays=arrays, extra=check)
 
-    def aggregate(self, server_round: int, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """FedAvg within groups (when shared), then the next round's class targets."""
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Fold the weights (when shared) into the group's accumulator."""
+        return fold_weights(self.models, reply) if self.felo.share_weights else reply
+
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Commit the group models (when shared), then the next round's class targets."""
         extra: dict[str, Any] = {}
         if self.felo.share_weights:
-            groups: dict[str, list[ClientReply]] = {}
-            for reply in replies:
-                groups.setdefault(reply.arch, []).append(reply)
-            for arch, members in groups.items():
-                self.group_arrays[arch] = weighted_average(
-                    [m.arrays for m in members if m.arrays is not None],
-                    [m.num_examples for m in members],
-                )
-            extra["group_sizes"] = {a: len(m) for a, m in sorted(groups.items())}
+            extra["group_sizes"] = self.models.commit()
         parts = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in replies]
         merged = merge_knowledge(parts, self.env.num_classes)
-        self.targets, target_metrics = self.make_targets(server_round, parts, merged)
+        self.targets, target_metrics = self.make_targets(ctx.server_round, parts, merged)
         extra["knowledge_classes"] = merged.num_classes_present
         extra.update(target_metrics)
         return extra
+
+    def discard(self, ctx: RoundContext) -> None:
+        """Keep the previous group models and targets."""
+        self.models.discard()
 
     def make_targets(
         self, server_round: int, parts: Sequence[ClassKnowledge], merged: ClassKnowledge
@@ -475,11 +474,47 @@ class FeloStrategy(HeteroStrategy):
 
     def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
         """One model per architecture group when weights are shared, else none."""
-        return dict(self.group_arrays) if self.felo.share_weights else {}
+        return dict(self.models.arrays) if self.felo.share_weights else {}
 
     def describe(self) -> dict[str, Any]:
         """Return the options (kebab-case keys)."""
         return {k.replace("_", "-"): v for k, v in asdict(self.felo).items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the base state, the group models and the current targets."""
+        return {
+            **super().state_dict(),
+            "group_models": self.models.state_dict(),
+            "targets": None if self.targets is None else knowledge_state(self.targets),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self.models.load_state_dict(state.get("group_models", {}))
+        targets = state.get("targets")
+        self.targets = None if targets is None else knowledge_from_state(targets)
+
+
+def knowledge_state(knowledge: ClassKnowledge) -> dict[str, Any]:
+    """Convert a :class:`ClassKnowledge` to checkpoint entries."""
+    return {
+        "class_ids": knowledge.class_ids,
+        "counts": knowledge.counts,
+        "logits": knowledge.logits,
+        "features": knowledge.features,
+    }
+
+
+def knowledge_from_state(state: Mapping[str, Any]) -> ClassKnowledge:
+    """Inverse of :func:`knowledge_state`."""
+    features = state.get("features")
+    return ClassKnowledge(
+        class_ids=np.asarray(state["class_ids"]),
+        counts=np.asarray(state["counts"]),
+        logits=np.asarray(state["logits"]),
+        features=None if features is None else np.asarray(features),
+    )
 
 
 class VeloStrategy(FeloStrategy):
@@ -495,6 +530,47 @@ class VeloStrategy(FeloStrategy):
         self.last_training: CVAETrainResult | None = None
         self.cvae_classes: np.ndarray = np.zeros(0, dtype=np.int64)
         """Classes the current CVAE was trained on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Felo's state plus the feature bank and the CVAE's weights."""
+        bank = self.feature_bank
+        feature_dim = self.felo.feature_dim
+        return {
+            **super().state_dict(),
+            "bank_rounds": np.array([r for r, _, _ in bank], dtype=np.int64),
+            "bank_sizes": np.array([len(i) for _, i, _ in bank], dtype=np.int64),
+            "bank_ids": (
+                np.concatenate([i for _, i, _ in bank]) if bank else np.zeros(0, np.int64)
+            ),
+            "bank_features": (
+                np.concatenate([f for _, _, f in bank])
+                if bank
+                else np.zeros((0, feature_dim), np.float32)
+            ),
+            "cvae": None
+            if self.cvae is None
+            else {k: v.detach().cpu().numpy() for k, v in self.cvae.state_dict().items()},
+            "cvae_classes": self.cvae_classes,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        sizes = [int(n) for n in np.asarray(state["bank_sizes"])]
+        ids, feats = np.asarray(state["bank_ids"]), np.asarray(state["bank_features"])
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.feature_bank = [
+            (int(rnd), ids[offsets[k] : offsets[k + 1]], feats[offsets[k] : offsets[k + 1]])
+            for k, rnd in enumerate(np.asarray(state["bank_rounds"]))
+        ]
+        self.cvae_classes = np.asarray(state["cvae_classes"], dtype=np.int64)
+        weights = state.get("cvae")
+        self.cvae = None
+        if weights is not None:
+            self.cvae = CVAE(self.felo.cvae_config(self.env.num_classes))
+            self.cvae.load_state_dict(
+                {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+            )
 
     def bank_arrays(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         """Return the CVAE's training set: features and labels within ``cvae-history``."""

@@ -1,0 +1,259 @@
+"""Talking to the SuperLink: push, pull as replies arrive, retry transient errors.
+
+Every exchange is bounded by a timeout (a node that never answers is reported
+missing, never waited on forever). Replies are handed to a callback as they are
+pulled, a few at a time, so the caller can validate and fold each one and drop it
+before the next arrives. Calls to the grid that fail with a transient gRPC status
+(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``: the SuperLink restarting, a network blip)
+are retried with exponential backoff for up to ``retry_timeout`` seconds instead of
+ending the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from strategies.validation import short_reason
+from tessera import wire
+
+log = logging.getLogger("flwr.tessera")
+
+T = TypeVar("T")
+
+POLL_INTERVAL = 0.2
+"""Seconds between two pulls of replies (Flower's gRPC grid sleeps 3 s)."""
+PULL_CHUNK = 8
+"""Replies pulled per call: at most this many are held before they are folded."""
+TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+class SuperLinkUnavailableError(RuntimeError):
+    """The SuperLink stayed unreachable for longer than the retry budget."""
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether ``err`` is a gRPC error worth retrying (UNAVAILABLE, DEADLINE_EXCEEDED)."""
+    code = getattr(err, "code", None)
+    if not callable(code):
+        return False
+    try:
+        status = code()
+    except Exception:
+        return False
+    return getattr(status, "name", str(status)) in TRANSIENT_CODES
+
+
+def call_with_retries(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    retry_timeout: float,
+    first_delay: float = 0.5,
+    max_delay: float = 8.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call ``fn``; retry transient gRPC errors with exponential backoff.
+
+    Parameters
+    ----------
+    fn : Callable[[], T]
+        The grid call.
+    what : str
+        What the call does, for the logs and the error.
+    retry_timeout : float
+        Seconds of retrying before giving up (0: no retry).
+    first_delay, max_delay : float
+        Backoff: ``first_delay``, doubled after every failure, at most ``max_delay``.
+    sleep : Callable[[float], None]
+        Injected for tests.
+
+    Returns
+    -------
+    T
+        What ``fn`` returned.
+
+    Raises
+    ------
+    SuperLinkUnavailableError
+        If transient errors lasted longer than ``retry_timeout``.
+    Exception
+        Any non-transient error of ``fn``, unchanged.
+    """
+    started = time.monotonic()
+    delay = first_delay
+    attempt = 1
+    while True:
+        try:
+            return fn()
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            waited = time.monotonic() - started
+            if waited + delay > retry_timeout:
+                raise SuperLinkUnavailableError(
+                    f"{what}: the SuperLink was unreachable for {waited:.1f}s after "
+                    f"{attempt} attempt(s) ({short_reason(str(err))}); check that it runs "
+                    "and is reachable, or raise run-config 'superlink-retry-timeout'"
+                ) from err
+            log.warning(
+                "%s: SuperLink error %s (attempt %d); retrying in %.1fs",
+                what,
+                short_reason(str(err), 120),
+                attempt,
+                delay,
+            )
+            sleep(delay)
+            delay = min(delay * 2.0, max_delay)
+            attempt += 1
+
+
+@dataclass
+class ExchangeResult:
+    """Replies kept (when no callback took them), failed nodes and bytes sent."""
+
+    replies: list[Message]
+    missing: dict[int, str]
+    bytes_down: dict[int, int] = field(default_factory=dict)
+
+
+def exchange(
+    grid: Grid,
+    messages: Sequence[Message],
+    *,
+    timeout: float,
+    poll: float = POLL_INTERVAL,
+    on_reply: Callable[[Message], None] | None = None,
+    retry_timeout: float = 0.0,
+    bytes_down: dict[int, int] | None = None,
+) -> ExchangeResult:
+    """Push messages and pull their replies until all arrived or ``timeout`` passed.
+
+    Parameters
+    ----------
+    grid : Grid
+        Flower's grid.
+    messages : Sequence[Message]
+        One message per destination node.
+    timeout : float
+        Seconds to wait for replies; nodes without a reply are reported missing.
+    poll : float
+        Seconds between pulls.
+    on_reply : Callable[[Message], None], optional
+        Called with each content reply as soon as it is pulled; the reply is then
+        not kept in the result (the caller folds it and lets it go).
+    retry_timeout : float
+        Seconds to retry transient SuperLink errors (see :func:`call_with_retries`).
+    bytes_down : dict[int, int], optional
+        Payload size per node when the caller already measured it.
+
+    Returns
+    -------
+    ExchangeResult
+        The replies (none when ``on_reply`` is given) and the missing nodes with a
+        reason.
+    """
+    if bytes_down is None:
+        bytes_down = {int(m.metadata.dst_node_id): wire.payload_bytes(m.content) for m in messages}
+    if not messages:
+        return ExchangeResult([], {}, bytes_down)
+    pushed = call_with_retries(
+        lambda: list(grid.push_messages(messages)),
+        what="pushing messages",
+        retry_timeout=retry_timeout,
+    )
+    accepted = {mid for mid in pushed if mid}
+    pending: dict[str, int] = {}
+    missing: dict[int, str] = {}
+    for msg in messages:
+        node = int(msg.metadata.dst_node_id)
+        mid = msg.metadata.message_id
+        if mid in accepted:
+            pending[mid] = node
+        else:
+            missing[node] = "the SuperLink did not accept the message"
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while pending:
+        ids = list(pending)
+        for begin in range(0, len(ids), PULL_CHUNK):
+            chunk = [mid for mid in ids[begin : begin + PULL_CHUNK] if mid in pending]
+            if not chunk:
+                continue
+            pulled = call_with_retries(
+                lambda chunk=chunk: list(grid.pull_messages(chunk)),  # type: ignore[misc]
+                what="pulling replies",
+                retry_timeout=retry_timeout,
+            )
+            for reply in pulled:
+                mid = reply.metadata.reply_to_message_id
+                if mid not in pending:
+                    continue
+                node = pending.pop(mid)
+                if reply.has_error():
+                    # Error replies come from the SuperLink on the node's behalf (node
+                    # unavailable, ClientApp crashed or raised): the node failed.
+                    err = reply.error
+                    missing[node] = f"error {err.code}: {short_reason(err.reason or '')}"
+                elif on_reply is not None:
+                    on_reply(reply)
+                else:
+                    replies.append(reply)
+            del pulled
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    for node in pending.values():
+        missing[node] = f"no reply within round-timeout={timeout:g}s"
+    return ExchangeResult(replies, missing, bytes_down)
+
+
+def is_simulation(grid: Grid) -> bool:
+    """Whether the grid is Flower's in-memory simulation grid.
+
+    Only then do clients emulate the fleet of run-config ``sim-device-profiles``; a
+    deployed node always probes its device (or takes node-config ``device-profile``).
+    """
+    from flwr.server.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
+def connected_nodes(grid: Grid, *, retry_timeout: float = 0.0) -> set[int]:
+    """Node ids the SuperLink currently lists (transient errors retried)."""
+    return {
+        int(n)
+        for n in call_with_retries(
+            lambda: list(grid.get_node_ids()), what="listing nodes", retry_timeout=retry_timeout
+        )
+    }
+
+
+def wait_for_nodes(
+    grid: Grid, *, min_nodes: int, timeout: float, retry_timeout: float = 0.0
+) -> list[int]:
+    """Wait until at least ``min_nodes`` nodes are connected.
+
+    Raises
+    ------
+    TimeoutError
+        If fewer nodes connected within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(connected_nodes(grid, retry_timeout=retry_timeout))
+        if len(nodes) >= min_nodes:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"only {len(nodes)} node(s) connected within node-wait-timeout="
+                f"{timeout:g}s but min-nodes={min_nodes}; start more SuperNodes or "
+                "lower run-config 'min-nodes'"
+            )
+        time.sleep(0.5)
