@@ -4,10 +4,11 @@
 #
 # Usage: scripts/deploy-local.sh --nodes N [--run-config "k=v ..."]
 #            [--profiles "cpu-small,cpu-large,jetson-orin"] [--insecure]
-#            [--workdir DIR] [--timeout SECONDS]
+#            [--workdir DIR] [--timeout SECONDS] [--resume]
 #
 #   --nodes N         number of SuperNodes; node i gets node-config
 #                     partition-id=i num-partitions=N device-profile=<profile>
+#                     state-dir=<workdir>/node-state/i (its state survives restarts)
 #   --run-config STR  run-config overrides, as for `flwr run` (or a .toml file);
 #                     output-dir defaults to <repo>/results, run-name to
 #                     deploy-<UTC time>, min-nodes to N
@@ -17,6 +18,9 @@
 #   --workdir DIR     certificates, FLWR_HOME, SuperLink state and logs
 #                     (default <repo>/.deploy/<UTC time>-<pid>)
 #   --timeout SECONDS bound on the whole deployment (default 900)
+#   --resume          continue the run of an earlier deployment in the same --workdir
+#                     and run-name: the SuperLink keeps its --database, the nodes their
+#                     state, and the ServerApp gets run-config resume=<results folder>
 #
 # Every port is a free loopback port picked at start, so concurrent deployments
 # and leftovers never collide. Every process started here (and its children:
@@ -39,6 +43,7 @@ profiles="cpu-small,cpu-large,jetson-orin"
 insecure=0
 workdir=""
 timeout_s=900
+resume=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) [ $# -ge 2 ] || die "--nodes needs a number"; nodes="$2"; shift 2 ;;
@@ -49,6 +54,7 @@ while [ $# -gt 0 ]; do
         --profiles) [ $# -ge 2 ] || die "--profiles needs a list"; profiles="$2"; shift 2 ;;
         --profiles=*) profiles="${1#*=}"; shift ;;
         --insecure) insecure=1; shift ;;
+        --resume) resume=1; shift ;;
         --workdir) [ $# -ge 2 ] || die "--workdir needs a folder"; workdir="$2"; shift 2 ;;
         --workdir=*) workdir="${1#*=}"; shift ;;
         --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; timeout_s="$2"; shift 2 ;;
@@ -92,9 +98,16 @@ logs="$workdir/logs"
 certs="$workdir/certs"
 export FLWR_HOME="$workdir/flwr-home"
 mkdir -p "$logs" "$FLWR_HOME"
-# SuperLink state of an earlier deployment in this folder would list its nodes.
-rm -f "$workdir/state.db" "$workdir/state.db-journal" "$workdir/state.db-wal" \
-    "$workdir/state.db-shm"
+# SuperLink state of an earlier deployment in this folder would list its nodes;
+# a resumed deployment keeps it (registrations, run history).
+if [ "$resume" = 0 ]; then
+    rm -f "$workdir/state.db" "$workdir/state.db-journal" "$workdir/state.db-wal" \
+        "$workdir/state.db-shm"
+    rm -rf "$workdir/node-state"
+elif compgen -G "$logs/*.log" >/dev/null; then
+    mkdir -p "$logs/before-resume-$stamp"
+    mv "$logs"/*.log "$logs/before-resume-$stamp/"
+fi
 
 # ------------------------------------------------------------- process tracking
 pgids=()   # process groups (one per component, each made by setsid)
@@ -201,7 +214,7 @@ remaining() { echo $((deadline - SECONDS)); }
 # ---------------------------------------------------------------- run config
 # Merge the user's overrides with the deployment's (absolute output-dir, run-name,
 # min-nodes) and re-serialise them into one `--run-config` string.
-resolved="$("$py" - "$user_run_config" "$nodes" "$TESSERA_ROOT" "$PWD" "$stamp" "$profiles" <<'PY'
+resolved="$("$py" - "$user_run_config" "$nodes" "$TESSERA_ROOT" "$PWD" "$stamp" "$profiles" "$resume" <<'PY'
 import os, sys
 
 from flwr.common.config import parse_config_args
@@ -211,7 +224,7 @@ try:
 except ImportError:  # Python 3.10 (JetPack 6): flwr depends on tomli
     import tomli as tomllib
 
-user, nodes, root, cwd, stamp, profiles = sys.argv[1:7]
+user, nodes, root, cwd, stamp, profiles, resume = sys.argv[1:8]
 with open(os.path.join(root, "pyproject.toml"), "rb") as fh:
     defaults = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
 try:
@@ -228,6 +241,8 @@ cfg["output-dir"] = os.path.normpath(out if os.path.isabs(out) else os.path.join
 if not str(cfg.get("run-name", "")).strip():
     cfg["run-name"] = f"deploy-{stamp}"
 cfg.setdefault("min-nodes", int(nodes))
+if resume == "1":
+    cfg["resume"] = os.path.join(cfg["output-dir"], str(cfg["run-name"]))
 rounds = cfg.get("num-server-rounds", defaults["num-server-rounds"])
 
 def toml_value(key, value):
@@ -266,8 +281,14 @@ PY
     IFS= read -r num_rounds
 } <<<"$resolved"
 results="$output_dir/$run_name"
-[ ! -s "$results/metrics.jsonl" ] \
-    || die "$results already holds a run; pass another run-name in --run-config"
+if [ "$resume" = 1 ]; then
+    [ -s "$results/checkpoint.npz" ] \
+        || die "--resume: $results has no checkpoint.npz; pass the run-name of the run to continue"
+    log "resuming the run in $results"
+else
+    [ ! -s "$results/metrics.jsonl" ] \
+        || die "$results already holds a run; pass another run-name in --run-config (or --resume)"
+fi
 
 IFS=',' read -r -a profile_list <<<"${profiles// /}"
 [ "${#profile_list[@]}" -gt 0 ] || die "--profiles is empty"
@@ -369,10 +390,11 @@ for ((i = 0; i < nodes; i++)); do
     profile="${profile_list[$((i % ${#profile_list[@]}))]}"
     appio_port="${ports[$((3 + i))]}"
     log "SuperNode $i: partition $i/$nodes, profile $profile, ClientAppIo 127.0.0.1:$appio_port"
+    mkdir -p "$workdir/node-state/$i"
     start_group "$logs/supernode-$i.log" flower-supernode "${tls_supernode[@]}" \
         --superlink "127.0.0.1:$fleet_port" \
         --clientappio-api-address "127.0.0.1:$appio_port" \
-        --node-config "partition-id=$i num-partitions=$nodes device-profile='$profile'"
+        --node-config "partition-id=$i num-partitions=$nodes device-profile='$profile' state-dir='$workdir/node-state/$i'"
 done
 
 # ------------------------------------------------------------- flwr connection
