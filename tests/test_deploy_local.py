@@ -179,3 +179,145 @@ def test_deploy_local_reports_a_supernode_stopped_during_round_two(tmp_path: Pat
     # Assert: the stopped node is reported as failed in round 2
     failed = {e["node"] for e in second["failed"]}
     assert failed == {lost}, second
+
+
+def _wait_for(predicate: Any, proc: subprocess.Popen[str], limit: float) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and proc.poll() is None:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _supernode_of_partition(
+    tmp_path: Path, partition: int
+) -> tuple[int, list[str], dict[str, str]]:
+    """The pid, argv and environment of the SuperNode serving ``partition``."""
+    for line in _processes_naming(f"partition-id={partition} "):
+        pid, cmdline = line.split(": ", 1)
+        if "flower-supernode" in cmdline and str(tmp_path) in cmdline:
+            proc = Path("/proc") / pid
+            argv = proc.joinpath("cmdline").read_bytes().split(b"\0")
+            env = proc.joinpath("environ").read_bytes().split(b"\0")
+            return (
+                int(pid),
+                [a.decode() for a in argv if a],
+                dict(e.decode().split("=", 1) for e in env if b"=" in e),
+            )
+    raise AssertionError(f"no SuperNode for partition {partition}")
+
+
+def test_supernode_killed_mid_round_restarts_and_its_personal_model_continues(
+    tmp_path: Path,
+) -> None:
+    # Prepare: 'local' keeps a personal model per node; node 2 is SIGKILLed once its
+    # round-2 train message arrived, and started again at once with the same
+    # command line (so the same node-config state-dir)
+    cmd = _command(
+        tmp_path,
+        _run_config(
+            tmp_path,
+            "strategy='local' num-server-rounds=4 local-epochs=1 round-timeout=25 "
+            "node-wait-timeout=120",
+        ),
+    )
+    metrics = tmp_path / "results" / "e2e" / "metrics.jsonl"
+    node_log = tmp_path / "deploy" / "logs" / "supernode-2.log"
+    restarted: list[subprocess.Popen[bytes]] = []
+
+    # Execute
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        got_round_two = _wait_for(
+            lambda: node_log.exists() and node_log.read_text().count("Receiving: train") >= 2,
+            proc,
+            300,
+        )
+        assert got_round_two, "node 2 never received its round-2 message"
+        pid, argv, env = _supernode_of_partition(tmp_path, 2)
+        os.kill(pid, signal.SIGKILL)
+        with (tmp_path / "supernode-2-restarted.log").open("wb") as log_file:
+            restarted.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+        for p in restarted:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+    # Assert: the run completed every round
+    assert proc.returncode == 0, _output(proc, out)
+    rounds = _rounds(metrics.parent)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    by_round = [{c["partition_id"]: c for c in r["clients"]} for r in rounds]
+    first_node = by_round[0][2]["node"]
+    assert 2 not in by_round[1], "the killed node answered round 2"
+    # the restarted node (a new node id) rejoined and went on from its saved model:
+    # it counts the rounds its model trained, including round 1 before the crash
+    last = by_round[3][2]
+    assert last["node"] != first_node
+    # round 1 (and round 2 if it was saved before the kill), then rounds 3 and 4; a
+    # node that lost its state would count 2
+    assert last["model_rounds"] >= 3, last
+    assert last["test_accuracy"] >= by_round[0][2]["test_accuracy"]
+    assert (tmp_path / "deploy" / "node-state" / "2").is_dir()
+    assert _processes_of(tmp_path) == []
+
+
+def test_stopped_deployment_resumes_with_every_round_once(tmp_path: Path) -> None:
+    # Prepare: stop the whole deployment (SuperLink, ServerApp, nodes) once round 2
+    # is written, then start it again with --resume on the same workdir
+    config = _run_config(tmp_path, "num-server-rounds=4 local-epochs=1")
+    metrics = tmp_path / "results" / "e2e" / "metrics.jsonl"
+
+    # Execute
+    first = subprocess.Popen(
+        _command(tmp_path, config),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        reached = _wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, first, 400
+        )
+        assert reached, "round 2 never finished"
+        first.send_signal(signal.SIGTERM)
+        first_out, _ = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate(timeout=60)
+    assert _processes_of(tmp_path) == []
+    done_before = len(metrics.read_text().splitlines())
+    second = subprocess.run(
+        [*_command(tmp_path, config), "--resume"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = second.stdout + second.stderr
+
+    # Assert
+    assert first.returncode != 0, first_out[-3000:]
+    assert 2 <= done_before < 4
+    assert second.returncode == 0, _output(second, out)
+    rounds = _rounds(metrics.parent)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    assert all(r["num_ok"] == 3 for r in rounds), [r["num_ok"] for r in rounds]
+    assert "resuming the run in" in out
+    summary = json.loads((metrics.parent / "summary.json").read_text())
+    assert summary["rounds"] == 4
+    assert _processes_of(tmp_path) == []
