@@ -429,3 +429,52 @@ def test_hetero_strategy_is_not_a_flower_strategy_subclass() -> None:
 
     params = inspect.signature(HeteroStrategy.node_content).parameters
     assert list(params)[:2] == ["self", "ctx"]
+
+
+class FlakyGrid(FakeGrid):
+    """A fake grid whose SuperLink is unreachable for the first few pulls."""
+
+    def __init__(self, *args: Any, failures: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures = failures
+        self.pulls = 0
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        self.pulls += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise UnavailableError()
+        return super().pull_messages(message_ids)
+
+
+class UnavailableError(Exception):
+    """Looks like grpc.RpcError with status UNAVAILABLE."""
+
+    def code(self) -> Any:
+        import grpc
+
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def test_round_survives_a_superlink_that_is_briefly_unreachable(
+    run_config: RunConfigFactory, digits_bundle: Any, tmp_path: Path
+) -> None:
+    # Prepare: the first two pulls of the run fail with UNAVAILABLE
+    config = run_config(
+        {
+            **TINY,
+            "strategy": "fedavg-groups",
+            "num-server-rounds": 1,
+            "output-dir": str(tmp_path),
+            "run-name": "r",
+        }
+    )
+    base = make_grid(config, 3)
+    grid = FlakyGrid(base.contexts, failures=2)
+
+    # Execute
+    server, _ = run(config, digits_bundle, grid=grid)
+
+    # Assert: retried, and the round went through with every node
+    assert grid.pulls >= 3
+    assert server.rounds[0]["num_ok"] == 3 and not server.rounds[0]["skipped"]
