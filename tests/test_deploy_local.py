@@ -49,10 +49,18 @@ def _command(tmp_path: Path, run_config: str, nodes: int = 3) -> list[str]:
 
 
 def _run_config(tmp_path: Path, extra: str = "") -> str:
-    return (
-        "num-server-rounds=2 strategy='fedavg-groups' round-timeout=120 "
-        f"output-dir='{tmp_path / 'results'}' run-name='e2e' {extra}"
-    ).strip()
+    """The tests' run config; ``extra`` holds ``key=value`` overrides (no spaces in values)."""
+    values = {
+        "num-server-rounds": "2",
+        "strategy": "'fedavg-groups'",
+        "round-timeout": "120",
+        "output-dir": f"'{tmp_path / 'results'}'",
+        "run-name": "'e2e'",
+    }
+    for item in extra.split():
+        key, value = item.split("=", 1)
+        values[key] = value
+    return " ".join(f"{k}={v}" for k, v in values.items())
 
 
 def _processes_naming(text: str) -> list[str]:
@@ -218,8 +226,7 @@ def test_supernode_killed_mid_round_restarts_and_its_personal_model_continues(
         tmp_path,
         _run_config(
             tmp_path,
-            "strategy='local' num-server-rounds=4 local-epochs=1 round-timeout=25 "
-            "node-wait-timeout=120",
+            "strategy='local' num-server-rounds=4 local-epochs=1 node-wait-timeout=120",
         ),
     )
     metrics = tmp_path / "results" / "e2e" / "metrics.jsonl"
