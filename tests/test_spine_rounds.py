@@ -478,3 +478,47 @@ def test_round_survives_a_superlink_that_is_briefly_unreachable(
     # Assert: retried, and the round went through with every node
     assert grid.pulls >= 3
     assert server.rounds[0]["num_ok"] == 3 and not server.rounds[0]["skipped"]
+
+
+@pytest.mark.parametrize(
+    ("fraction", "minimum", "expected"),
+    [(0.5, 1, 5), (0.1, 3, 3), (0.05, 1, 1), (0.25, 1, 3), (1.0, 1, 10), (0.5, 20, 10)],
+)
+def test_select_nodes_count_is_max_of_min_and_ceil_fraction(
+    fraction: float,
+    minimum: int,
+    expected: int,
+    run_config: RunConfigFactory,
+    digits_bundle: Any,
+    tmp_path: Path,
+) -> None:
+    # Prepare: ten eligible nodes whose ids run against their partitions
+    from strategies.base import NodeInfo
+
+    config = run_config(
+        {
+            "fraction-train": fraction,
+            "min-train-nodes": minimum,
+            "output-dir": str(tmp_path),
+            "run-name": "r",
+        }
+    )
+    server = build_server(config, bundle=digits_bundle).runner
+    for p in range(10):
+        node = 1000 - p
+        server.nodes[node] = NodeInfo(node, "cnn-1", "cnn", 0, True, 10, 2, p, (1,) * 10, {})
+    ctx = RoundContext(
+        server_round=3,
+        num_rounds=5,
+        rng=np.random.default_rng([42, 3]),
+        eligible={1000 - p: "cnn-1" for p in range(10)},
+    )
+
+    # Execute
+    picked = server.select_nodes(ctx)
+
+    # Assert
+    assert len(picked) == expected == len(set(picked))
+    assert set(picked) <= set(ctx.eligible)
+    if expected == 10:  # everyone, in partition order, no draw
+        assert picked == [1000 - p for p in range(10)]
