@@ -276,7 +276,16 @@ def test_supernode_killed_mid_round_restarts_and_its_personal_model_continues(
     # round 1 (and round 2 if it was saved before the kill), then rounds 3 and 4; a
     # node that lost its state would count 2
     assert last["model_rounds"] >= 3, last
-    assert last["test_accuracy"] >= by_round[0][2]["test_accuracy"]
+    # ... and it did not fall back to a fresh model: round 3 (its first after the
+    # restart) starts from the trained model, so its training loss is far below that of
+    # round 1, which started from scratch (accuracy on ~70 local test samples is too
+    # noisy a witness for one extra round)
+    after_restart = by_round[2][2]
+    assert after_restart["node"] == last["node"]
+    assert after_restart["train_loss"] < 0.8 * by_round[0][2]["train_loss"], (
+        after_restart,
+        by_round[0][2],
+    )
     assert (tmp_path / "deploy" / "node-state" / "2").is_dir()
     assert _processes_of(tmp_path) == []
 
