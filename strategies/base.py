@@ -68,6 +68,7 @@ from strategies.validation import (
     ArraySpec,
     ClientReply,
     Rejection,
+    ReplyLimits,
     ReplySchema,
     short_reason,
     validate_reply,
@@ -199,6 +200,10 @@ class RoundContext:
         Replies that did not, with the reason.
     started : float
         ``time.monotonic()`` at the start of the round.
+    schemas : dict[int, ReplySchema]
+        What each selected node's reply must contain.
+    limits : dict[int, ReplyLimits]
+        What each selected node's reply may claim (from its handshake).
     """
 
     server_round: int
@@ -212,14 +217,23 @@ class RoundContext:
     rejected: list[Rejection] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     schemas: dict[int, ReplySchema] = field(default_factory=dict)
+    limits: dict[int, ReplyLimits] = field(default_factory=dict)
 
 
 class RunStoppedError(RuntimeError):
     """The run cannot go on (too many skipped rounds, too few nodes)."""
 
 
-def parse_handshake(reply: Message, known_archs: Sequence[str]) -> NodeInfo | Rejection:
-    """Validate a handshake reply into a :class:`NodeInfo`."""
+def parse_handshake(
+    reply: Message, known_archs: Sequence[str], *, num_classes: int | None = None
+) -> NodeInfo | Rejection:
+    """Validate a handshake reply into a :class:`NodeInfo`.
+
+    Nothing a node declares is taken on trust where the server can check it: the
+    architecture must be registered, its family and size rank must be the registry's
+    (a node cannot claim a rank that moves everyone onto its architecture), the label
+    counts must be non-negative, one per class of the task, and sum to ``num-train``.
+    """
     node_id = int(reply.metadata.src_node_id)
     if reply.has_error():
         return Rejection(
@@ -248,9 +262,39 @@ def parse_handshake(reply: Message, known_archs: Sequence[str]) -> NodeInfo | Re
         return Rejection(node_id, f"handshake profile is malformed: {err}")
     if info.arch not in set(known_archs):
         return Rejection(node_id, f"handshake names unknown architecture '{info.arch}'")
-    if info.num_train <= 0:
-        return Rejection(node_id, f"handshake reports num-train={info.num_train}")
+    problem = _handshake_problem(info, num_classes)
+    if problem is not None:
+        return Rejection(node_id, problem)
     return info
+
+
+def _handshake_problem(info: NodeInfo, num_classes: int | None) -> str | None:
+    from models import model_entry
+
+    if info.num_train <= 0:
+        return f"handshake reports num-train={info.num_train}"
+    if info.num_test < 0:
+        return f"handshake reports num-test={info.num_test}"
+    entry = model_entry(info.arch)
+    if info.family != entry.family or info.size_rank != entry.size_rank:
+        return (
+            f"handshake claims family '{info.family}' and size-rank {info.size_rank} for "
+            f"'{info.arch}', which the registry has as family '{entry.family}', size-rank "
+            f"{entry.size_rank}"
+        )
+    if num_classes is not None and len(info.label_counts) != num_classes:
+        return (
+            f"handshake has {len(info.label_counts)} label counts but the task has "
+            f"{num_classes} classes"
+        )
+    if any(c < 0 for c in info.label_counts):
+        return f"handshake has negative label counts {list(info.label_counts)[:10]}"
+    if sum(info.label_counts) != info.num_train:
+        return (
+            f"handshake label counts sum to {sum(info.label_counts)} but num-train is "
+            f"{info.num_train}"
+        )
+    return None
 
 
 RESUME_IDENTITY_KEYS = (
@@ -579,6 +623,14 @@ class HeteroStrategy:
             selected = self.select_nodes(ctx)
             ctx.assignment = {n: ctx.eligible[n] for n in selected}
             ctx.schemas = {n: self.reply_schema(ctx, n, a) for n, a in ctx.assignment.items()}
+            ctx.limits = {
+                n: ReplyLimits(
+                    max_examples=self.nodes[n].num_train * run.local_epochs,
+                    max_test_examples=self.nodes[n].num_test,
+                )
+                for n in ctx.assignment
+                if n in self.nodes
+            }
             messages = self._messages(ctx)
             ctx.bytes_down = {
                 int(m.metadata.dst_node_id): wire.payload_bytes(m.content) for m in messages
@@ -648,6 +700,7 @@ class HeteroStrategy:
             expected_nodes=ctx.assignment,
             schemas=ctx.schemas,
             bytes_down=ctx.bytes_down,
+            limits=ctx.limits,
         )
         if not isinstance(checked, Rejection):
             try:
@@ -712,7 +765,7 @@ class HeteroStrategy:
                 self._handshake_rejections.append(Rejection(node, reason))
             known = list_models()
             for reply in outcome.replies:
-                info = parse_handshake(reply, known)
+                info = parse_handshake(reply, known, num_classes=self.env.num_classes)
                 if isinstance(info, Rejection):
                     log.warning("handshake: node %d rejected: %s", info.node_id, info.reason)
                     self._handshake_rejections.append(info)

@@ -72,7 +72,10 @@ class FedAvgStrategy(FedAvgGroupsStrategy):
         if opts.arch is not None:
             return opts.arch
         pick = max if opts.exclude_unfit else min
-        return pick(nodes.values(), key=lambda i: i.size_rank).arch
+        # Size ranks only order architectures within one family: a node forced onto
+        # another family (node-config 'arch') does not choose for the federation.
+        own = [i for i in nodes.values() if i.family == self.env.family] or list(nodes.values())
+        return pick(own, key=lambda i: i.size_rank).arch
 
     def assign_architectures(self, nodes: Mapping[int, NodeInfo]) -> dict[int, str | None]:
         """All nodes on the shared architecture; unfit ones out if so configured."""

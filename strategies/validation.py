@@ -59,6 +59,23 @@ class ClientReply:
 
 
 @dataclass(frozen=True)
+class ReplyLimits:
+    """What a node's reply may claim, from what it told the handshake.
+
+    Attributes
+    ----------
+    max_examples : int
+        Training examples it can have used: its training-set size times the local
+        epochs (no node outweighs what it reported).
+    max_test_examples : int
+        Its test-set size.
+    """
+
+    max_examples: int
+    max_test_examples: int
+
+
+@dataclass(frozen=True)
 class Rejection:
     """A reply (or a missing one) that was not used, and why."""
 
@@ -76,7 +93,19 @@ def short_reason(reason: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_metrics(record: MetricRecord, required: tuple[str, ...]) -> str | dict[str, float]:
+METRIC_RANGES: dict[str, tuple[float, float]] = {
+    wire.TEST_ACCURACY: (0.0, 1.0),
+    wire.TRAIN_LOSS: (0.0, math.inf),
+    wire.TEST_LOSS: (0.0, math.inf),
+    wire.TRAIN_SECONDS: (0.0, math.inf),
+    wire.NUM_TEST_EXAMPLES: (0.0, math.inf),
+}
+"""Closed ranges of the common train metrics (a value outside is a bad reply)."""
+
+
+def _check_metrics(
+    record: MetricRecord, required: tuple[str, ...], limits: ReplyLimits | None = None
+) -> str | dict[str, float]:
     metrics: dict[str, float] = {}
     for key in required:
         if key not in record:
@@ -90,10 +119,28 @@ def _check_metrics(record: MetricRecord, required: tuple[str, ...]) -> str | dic
         if not math.isfinite(fvalue):
             return f"metric '{key}' is not finite ({value})"
         metrics[key] = fvalue
+    for key, (low, high) in METRIC_RANGES.items():
+        if key in metrics and not low <= metrics[key] <= high:
+            return f"metric '{key}' is {metrics[key]:g}, outside [{low:g}, {high:g}]"
+    tests = metrics.get(wire.NUM_TEST_EXAMPLES)
+    if tests is not None and not tests.is_integer():
+        return f"'{wire.NUM_TEST_EXAMPLES}' must be a whole number, got {tests}"
     if wire.NUM_EXAMPLES in required:
         num = metrics[wire.NUM_EXAMPLES]
         if num <= 0 or not float(num).is_integer():
             return f"'{wire.NUM_EXAMPLES}' must be a positive integer, got {num}"
+    if limits is not None:
+        num = metrics.get(wire.NUM_EXAMPLES)
+        if num is not None and num > limits.max_examples:
+            return (
+                f"'{wire.NUM_EXAMPLES}' is {num:g} but the node reported a training set that "
+                f"allows at most {limits.max_examples} (num-train x local-epochs)"
+            )
+        if tests is not None and tests > limits.max_test_examples:
+            return (
+                f"'{wire.NUM_TEST_EXAMPLES}' is {tests:g} but the node reported a test set of "
+                f"{limits.max_test_examples}"
+            )
     return metrics
 
 
@@ -127,6 +174,11 @@ def check_arrays(record: ArrayRecord, expected: ArraySpec) -> str | dict[str, np
             value = arr.numpy()
         except Exception as err:
             return f"array '{key}' cannot be decoded: {err}"
+        if tuple(value.shape) != tuple(shape) or value.dtype != np.dtype(dtype):
+            return (
+                f"array '{key}' declares {dtype}{tuple(shape)} but its bytes decode to "
+                f"{value.dtype}{tuple(value.shape)}"
+            )
         if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
             return f"array '{key}' has non-finite values"
         out[key] = value
@@ -139,6 +191,7 @@ def validate_reply(
     expected_nodes: Mapping[int, str],
     schemas: Mapping[int, ReplySchema],
     bytes_down: Mapping[int, int],
+    limits: Mapping[int, ReplyLimits] | None = None,
 ) -> ClientReply | Rejection:
     """Validate one train reply.
 
@@ -152,6 +205,8 @@ def validate_reply(
         Node id to the schema its reply must satisfy.
     bytes_down : Mapping[int, int]
         Node id to the size of the payload it was sent.
+    limits : Mapping[int, ReplyLimits], optional
+        Node id to what its reply may claim (from its handshake).
 
     Returns
     -------
@@ -171,7 +226,8 @@ def validate_reply(
     schema = schemas[node_id]
     if wire.METRICS not in content.metric_records:
         return Rejection(node_id, "record 'metrics' missing")
-    metrics = _check_metrics(content.metric_records[wire.METRICS], schema.metrics)
+    limit = None if limits is None else limits.get(node_id)
+    metrics = _check_metrics(content.metric_records[wire.METRICS], schema.metrics, limit)
     if isinstance(metrics, str):
         return Rejection(node_id, metrics)
     arrays: dict[str, np.ndarray] | None = None

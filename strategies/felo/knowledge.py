@@ -348,15 +348,16 @@ def check_knowledge_record(
         return f"class id(s) {bad[:5]} out of range [0, {num_classes})"
     if len(np.unique(ids)) != k:
         return f"class ids {ids.tolist()} repeat a class"
-    if counts.shape != (k,) or not np.issubdtype(counts.dtype, np.integer):
-        return f"'{COUNTS}' must be {k} integers, got {counts.dtype}{counts.shape}"
+    if counts.shape != (k,) or counts.dtype != np.int64:
+        return f"'{COUNTS}' must be {k} int64 values, got {counts.dtype}{counts.shape}"
     if np.any(counts <= 0):
         where = int(ids[int(np.argmin(counts))])
         return f"count {int(counts.min())} of class {where} is not positive"
+    total = sum(int(c) for c in counts)  # Python ints: no wrap-around
     if wire.METRICS in content.metric_records:
         num = content.metric_records[wire.METRICS].get(wire.NUM_EXAMPLES)
-        if isinstance(num, (int, float)) and int(counts.sum()) != int(num):
-            return f"counts sum to {int(counts.sum())} but the reply reports num-examples={num}"
+        if isinstance(num, (int, float)) and total != int(num):
+            return f"counts sum to {total} but the reply reports num-examples={num}"
     shapes = {LOGITS: (k, num_classes)}
     if feature_dim is not None:
         shapes[FEATURES] = (k, feature_dim)
