@@ -130,10 +130,10 @@ def _check_metrics(
         if num <= 0 or not float(num).is_integer():
             return f"'{wire.NUM_EXAMPLES}' must be a positive integer, got {num}"
     if limits is not None:
-        num = metrics.get(wire.NUM_EXAMPLES)
-        if num is not None and num > limits.max_examples:
+        claimed = metrics.get(wire.NUM_EXAMPLES)
+        if claimed is not None and claimed > limits.max_examples:
             return (
-                f"'{wire.NUM_EXAMPLES}' is {num:g} but the node reported a training set that "
+                f"'{wire.NUM_EXAMPLES}' is {claimed:g} but the node reported a training set that "
                 f"allows at most {limits.max_examples} (num-train x local-epochs)"
             )
         if tests is not None and tests > limits.max_test_examples:
