@@ -12,6 +12,13 @@ connections and presents a certificate the CA vouches for, then starts both cont
 with the node config, the CA certificate (and the node's key) copied in, and a restart
 policy. Anything it created is removed again when a step fails.
 
+The node's state (device profile, personal model, scheme state) lives in a volume
+mounted at ``/data`` in the ClientApp container, and the node config gets
+``state-dir='/data/node-state'``, so the node continues where it was after the device
+or its containers restart: a named volume ``tessera-<name>-state`` by default (kept by
+``remove`` unless ``--purge``), or a host folder with ``--state-dir`` (writable by uid
+1000, the images' user).
+
 Examples
 --------
 ::
@@ -48,6 +55,11 @@ LABEL = "tessera.deploy"
 ROLE_LABEL = "tessera.role"
 IMAGE_UID = 1000  # the `tessera` user of the images
 DEFAULT_TAG = "latest"
+STATE_MOUNT = "/data"
+"""Where the ClientApp container mounts the node's state volume (the images' /data
+belongs to their user, so a new named volume does too)."""
+STATE_DIR = f"{STATE_MOUNT}/node-state"
+"""node-config ``state-dir`` inside the ClientApp container."""
 FLOWER_IMAGE = "tessera/flower"
 CPU_IMAGE = "tessera/app-cpu"
 JETSON_IMAGE = "tessera/app-jetson"
@@ -286,6 +298,57 @@ def parse_node_config(text: str) -> dict[str, str]:
             '"partition-id=0 num-partitions=4"'
         )
     return pairs
+
+
+def with_state_dir(node_config: str, state_dir: str = STATE_DIR) -> str:
+    """Add ``state-dir`` to a ``--node-config`` string unless it already sets one.
+
+    Parameters
+    ----------
+    node_config : str
+        The user's ``--node-config``.
+    state_dir : str
+        The folder inside the ClientApp container.
+
+    Returns
+    -------
+    str
+        The node config the SuperNode gets.
+    """
+    if "state-dir" in parse_node_config(node_config):
+        return node_config
+    return f"{node_config.strip()} state-dir='{state_dir}'"
+
+
+def state_volume(name: str, host_dir: str | None) -> tuple[str, bool]:
+    """Return what to mount at ``/data`` for node ``name`` and whether it is a named volume.
+
+    Parameters
+    ----------
+    name : str
+        The node name (checked).
+    host_dir : str | None
+        ``--state-dir``: an absolute host folder; ``None`` for the named volume
+        ``tessera-<name>-state``.
+
+    Returns
+    -------
+    tuple[str, bool]
+        The volume name or host folder, and ``True`` for a named volume.
+
+    Raises
+    ------
+    UsageError
+        If ``host_dir`` is not an absolute path.
+    """
+    if host_dir is None:
+        return f"tessera-{name}-state", True
+    if not host_dir.startswith("/"):
+        raise UsageError(
+            f"--state-dir {host_dir!r} must be an absolute folder on the device, e.g. "
+            "/var/lib/tessera/pi-1 (writable by uid 1000)"
+        )
+    return host_dir, False
 
 
 def check_name(name: str) -> str:
@@ -732,7 +795,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     """Deploy one node; undo everything on failure."""
     name = check_name(args.name)
     superlink = parse_superlink(args.superlink)
-    parse_node_config(args.node_config)
+    node_config = with_state_dir(args.node_config)
+    state_source, named_volume = state_volume(name, args.state_dir)
     ca_pem: str | None = None
     if not args.insecure:
         if not args.ca_cert:
@@ -776,7 +840,15 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         ensure_image(client, ref, host, pull=args.pull, build=args.build)
 
     created: list[Any] = []
+    new_volume = None
     try:
+        if named_volume:
+            try:
+                client.volumes.get(state_source)
+                print(f"node state: reusing volume {state_source}")
+            except Exception:
+                new_volume = client.volumes.create(state_source, labels={LABEL: name})
+                print(f"node state: new volume {state_source}")
         network = args.network
         if network is None:
             network = f"tessera-{name}"
@@ -809,7 +881,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             "TESSERA_TLS": "false" if args.insecure else "true",
             "TESSERA_SUPERNODE_AUTH": "true" if key_pem else "false",
             "TESSERA_SUPERLINK": args.superlink,
-            "TESSERA_NODE_CONFIG": args.node_config,
+            "TESSERA_NODE_CONFIG": node_config,
             "TESSERA_NODE_KEY": "/certs/node.key",
         }
         supernode = client.containers.create(
@@ -842,6 +914,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             name=f"tessera-{name}-clientapp",
             environment={"TESSERA_APPIO": f"{supernode_name}:9094"},
             labels={LABEL: name, ROLE_LABEL: "clientapp"},
+            volumes={state_source: {"bind": STATE_MOUNT, "mode": "rw"}},
             network=network,
             restart_policy=restart,
             init=True,
@@ -857,6 +930,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         node_id = _wait_joined(supernode, max(deadline - time.monotonic(), 5.0))
     except BaseException as err:
         removed = _remove(client, name)
+        if new_volume is not None:
+            with contextlib.suppress(Exception):
+                new_volume.remove(force=True)
+                removed.append(f"volume {state_source}")
         if removed:
             print(f"rolled back: removed {', '.join(removed)}", file=sys.stderr)
         if isinstance(err, DeployError):
@@ -937,13 +1014,24 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
-    """Stop and remove one node's containers and its network."""
-    check_name(args.name)
+    """Stop and remove one node's containers and its network (and state with --purge)."""
+    import docker.errors
+
+    name = check_name(args.name)
     client = connect(args)
-    removed = _remove(client, args.name)
+    removed = _remove(client, name)
+    volume, _ = state_volume(name, None)
+    if args.purge:
+        try:
+            client.volumes.get(volume).remove(force=True)
+            removed.append(f"volume {volume}")
+        except docker.errors.NotFound:
+            pass
     if not removed:
         raise DeployError(f"no node named {args.name!r} on this host (see `status`)")
     print(f"removed {', '.join(removed)}")
+    if not args.purge:
+        print(f"kept the node's state (volume {volume}, if any); `remove --purge` deletes it")
     return 0
 
 
@@ -1012,6 +1100,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     deploy.add_argument("--connect-timeout", type=float, default=5.0)
     deploy.add_argument("--wait", type=float, default=90.0, help="seconds to wait for health")
+    deploy.add_argument(
+        "--state-dir",
+        help="host folder for the node's state (default: the volume tessera-NAME-state)",
+    )
     deploy.set_defaults(func=cmd_deploy)
 
     status = sub.add_parser("status", parents=[common], help="list deployed nodes")
@@ -1028,6 +1120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     remove = sub.add_parser("remove", parents=[common], help="remove a node")
     remove.add_argument("--name", required=True)
+    remove.add_argument("--purge", action="store_true", help="also delete the node's state volume")
     remove.set_defaults(func=cmd_remove)
     return parser
 

@@ -227,7 +227,7 @@ def cluster(images: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             logs = _run(c.cmd("logs", "--no-color", "--tail", "60"), env=env, check=False)
             sys.stderr.write(logs.stdout[-20000:])
         subprocess.run(
-            [sys.executable, str(DEPLOY), "remove", "--name", EDGE],
+            [sys.executable, str(DEPLOY), "remove", "--name", EDGE, "--purge"],
             capture_output=True,
             timeout=120,
             check=False,
@@ -332,6 +332,28 @@ def test_supernodes_used_tls(cluster: Cluster) -> None:
         assert not answer.startswith(b"\x00\x00"), "the Fleet API answered plaintext HTTP/2"
 
 
+def test_nodes_keep_their_state_in_their_volume(cluster: Cluster) -> None:
+    # node-config state-dir=/data/node-state, the volume node-N-state at /data of the
+    # ClientApp container: after the run each node's state file is there
+    assert cluster.run_rc == 0
+    for n in (1, 2, 3):
+        container = cluster.container(f"clientapp-{n}")
+        found = _run(
+            ["docker", "exec", container, "find", "/data/node-state", "-name", "node-state.pb"]
+        ).stdout.split()
+        assert len(found) == 1, (n, found)
+        mounts = json.loads(
+            _run(["docker", "inspect", "--format", "{{json .Mounts}}", container]).stdout
+        )
+        assert any(
+            m["Destination"] == "/data" and m["Name"].endswith(f"node-{n}-state") for m in mounts
+        ), mounts
+
+
+def _volume_exists(name: str) -> bool:
+    return bool(_run(["docker", "volume", "ls", "-q", "--filter", f"name=^{name}$"]).stdout.strip())
+
+
 def test_edge_deploy_joins_and_trains(cluster: Cluster, tmp_path: Path) -> None:
     assert cluster.run_rc == 0
     ca = tmp_path / "ca.crt"
@@ -398,10 +420,22 @@ def test_edge_deploy_joins_and_trains(cluster: Cluster, tmp_path: Path) -> None:
     logs = _deploy("logs", "--name", EDGE, "--role", "supernode", "--tail", "50")
     assert logs.returncode == 0 and "tessera-test-edge-supernode" in logs.stdout
 
+    # the node's state lives in its own volume, which `remove` keeps and `--purge` drops
+    volume = f"tessera-{EDGE}-state"
+    clientapp = f"tessera-{EDGE}-clientapp"
+    found = _run(
+        ["docker", "exec", clientapp, "find", "/data/node-state", "-name", "node-state.pb"]
+    ).stdout.split()
+    assert len(found) == 1, found
+
     removed = _deploy("remove", "--name", EDGE)
     assert removed.returncode == 0, removed.stderr
     assert _labelled(EDGE) == ""
+    assert _volume_exists(volume) and "kept the node's state" in removed.stdout
     assert _deploy("status", "--name", EDGE).returncode == 1
+    purged = _deploy("remove", "--name", EDGE, "--purge")
+    assert purged.returncode == 0, purged.stderr
+    assert not _volume_exists(volume)
 
 
 @pytest.mark.parametrize(

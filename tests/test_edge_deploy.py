@@ -115,3 +115,48 @@ def test_bad_usage_exits_2_without_an_engine(capsys: pytest.CaptureFixture[str])
     )
     assert status == 2
     assert "host:port" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ node state
+def test_with_state_dir_adds_the_container_folder_once() -> None:
+    got = ed.with_state_dir("partition-id=0 num-partitions=4")
+    assert got == "partition-id=0 num-partitions=4 state-dir='/data/node-state'"
+    assert ed.parse_node_config(got)["state-dir"] == "/data/node-state"
+    own = "partition-id=0 num-partitions=4 state-dir='/mnt/x'"
+    assert ed.with_state_dir(own) == own
+
+
+def test_state_volume_is_named_per_node_or_an_absolute_host_folder() -> None:
+    assert ed.state_volume("pi-1", None) == ("tessera-pi-1-state", True)
+    assert ed.state_volume("pi-1", "/var/lib/tessera/pi-1") == ("/var/lib/tessera/pi-1", False)
+    with pytest.raises(ed.UsageError, match="absolute"):
+        ed.state_volume("pi-1", "state")
+
+
+def _compose(name: str) -> dict[str, object]:
+    import yaml
+
+    document = yaml.safe_load((ROOT / name).read_text())
+    assert isinstance(document, dict)
+    return document
+
+
+def test_compose_nodes_keep_their_state_in_a_volume_of_their_own() -> None:
+    # Prepare
+    compose = _compose("compose.yaml")
+    services = compose["services"]
+    assert isinstance(services, dict)
+
+    # Assert: supernode-N passes state-dir, clientapp-N (which runs the ClientApp
+    # code that reads it) mounts node-N-state there, and the volume is declared
+    for n in range(1, 7):
+        node_config = services[f"supernode-{n}"]["environment"]["TESSERA_NODE_CONFIG"]
+        assert ed.parse_node_config(node_config)["state-dir"] == "/data/node-state"
+        assert f"node-{n}-state:/data" in services[f"clientapp-{n}"]["volumes"]
+        assert f"node-{n}-state" in compose["volumes"]  # type: ignore[operator]
+    jetson = _compose("compose.jetson.yaml")["services"]
+    assert isinstance(jetson, dict)
+    for service in ("supernode-1", "supernode-2", "supernode-3", "supernode-jetson"):
+        node_config = jetson[service]["environment"]["TESSERA_NODE_CONFIG"]
+        assert ed.parse_node_config(node_config)["state-dir"] == "/data/node-state"
+    assert "node-jetson-state:/data" in jetson["clientapp-jetson"]["volumes"]
