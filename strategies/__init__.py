@@ -4,7 +4,16 @@
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-from strategies import fedavg, fedavg_groups, fedhenn, fedprox, felo, flwr_fedavg, local
+from strategies import (
+    fedavg,
+    fedavg_groups,
+    fedhenn,
+    fedprox,
+    felo,
+    flwr_fedavg,
+    local,
+    robust,
+)
 from strategies.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
 
 __all__ = [
@@ -20,4 +29,5 @@ __all__ = [
     "list_schemes",
     "local",
     "register_scheme",
+    "robust",
 ]

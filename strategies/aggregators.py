@@ -213,10 +213,31 @@ class MeanAggregator:
         return MeanAccumulator(reference)
 
 
-_AGGREGATORS: dict[str, Callable[[], Aggregator]] = {}
+@dataclass(frozen=True)
+class AggregatorSettings:
+    """The run-config knobs of the robust aggregators (:mod:`strategies.robust`).
+
+    Attributes
+    ----------
+    trim_fraction : float
+        ``trim-fraction``: share cut from each end per coordinate (``trimmed-mean``).
+    krum_byzantine : int
+        ``krum-byzantine``: the ``f`` of (multi-)Krum.
+    clip_norm : float
+        ``clip-norm``: largest L2 distance of an update from the global model
+        (``norm-clip``).
+    """
+
+    trim_fraction: float = 0.1
+    krum_byzantine: int = 1
+    clip_norm: float = 10.0
 
 
-def register_aggregator(name: str, factory: Callable[[], Aggregator]) -> None:
+AggregatorFactory = Callable[[AggregatorSettings], Aggregator]
+_AGGREGATORS: dict[str, AggregatorFactory] = {}
+
+
+def register_aggregator(name: str, factory: AggregatorFactory) -> None:
     """Register an aggregator factory under ``name`` (a duplicate raises)."""
     if name in _AGGREGATORS:
         raise ValueError(f"aggregator '{name}' is already registered")
@@ -228,8 +249,8 @@ def list_aggregators() -> list[str]:
     return sorted(_AGGREGATORS)
 
 
-def get_aggregator(name: str) -> Aggregator:
-    """Build the aggregator called ``name``.
+def get_aggregator(name: str, settings: AggregatorSettings | None = None) -> Aggregator:
+    """Build the aggregator called ``name`` with ``settings`` (defaults when omitted).
 
     Raises
     ------
@@ -240,7 +261,7 @@ def get_aggregator(name: str) -> Aggregator:
         raise ConfigError(
             f"run-config 'aggregator' is '{name}'; use one of {', '.join(list_aggregators())}"
         )
-    return _AGGREGATORS[name]()
+    return _AGGREGATORS[name](settings if settings is not None else AggregatorSettings())
 
 
-register_aggregator("mean", MeanAggregator)
+register_aggregator("mean", lambda settings: MeanAggregator())

@@ -157,6 +157,9 @@ class RunConfig:
     resume: str | None = None
     aggregator: str = "mean"
     superlink_retry_timeout: float = 120.0
+    trim_fraction: float = 0.1
+    krum_byzantine: int = 1
+    clip_norm: float = 10.0
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -212,6 +215,9 @@ class RunConfig:
             resume=r.optional_str("resume"),
             aggregator=r.get("aggregator", str, "mean").strip().lower(),
             superlink_retry_timeout=r.get("superlink-retry-timeout", float, 120.0),
+            trim_fraction=r.get("trim-fraction", float, 0.1),
+            krum_byzantine=r.get("krum-byzantine", int, 1),
+            clip_norm=r.get("clip-norm", float, 10.0),
         )
         cfg.validate()
         return cfg
@@ -327,6 +333,19 @@ class RunConfig:
             self.superlink_retry_timeout,
             "use a non-negative number of seconds",
         )
+        _require(
+            0.0 <= self.trim_fraction < 0.5,
+            "trim-fraction",
+            self.trim_fraction,
+            "use a fraction in [0, 0.5), e.g. 0.1",
+        )
+        _require(
+            self.krum_byzantine >= 0,
+            "krum-byzantine",
+            self.krum_byzantine,
+            "use the number of hostile nodes to tolerate, 0 or more",
+        )
+        _require(self.clip_norm > 0, "clip-norm", self.clip_norm, "use a positive L2 norm")
         _require(
             bool(self.output_dir.strip()),
             "output-dir",
