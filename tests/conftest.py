@@ -378,3 +378,24 @@ def memory_state() -> Any:
     from tessera.node_state import NodeState
 
     return NodeState(RecordDict(), owner="test")
+
+
+TINY_DIGITS = {
+    "local-epochs": 1,
+    "dataset": "digits",
+    "model-family": "cnn",
+    "sim-device-profiles": "cpu-small,cpu-large,jetson-orin",
+    "round-timeout": 5.0,
+}
+"""Run-config overrides for quick federations on the fake grid."""
+
+
+def make_grid(config: Mapping[str, Any], num_nodes: int, *, first_node: int = 100) -> FakeGrid:
+    """A fake grid of ``num_nodes`` real ClientApps, node ``first_node + i`` on partition i."""
+    contexts = {
+        first_node + i: make_context(
+            first_node + i, config, {"partition-id": i, "num-partitions": num_nodes}
+        )
+        for i in range(num_nodes)
+    }
+    return FakeGrid(contexts)

@@ -21,7 +21,7 @@ from strategies.robust import (
     trimmed_mean,
 )
 from tessera import wire
-from tests.conftest import FakeGrid, make_context
+from tests.conftest import make_grid
 
 RunConfigFactory = Callable[..., dict[str, Any]]
 
@@ -134,11 +134,7 @@ def test_a_boosted_node_cannot_drag_the_global_model(
             "run-name": "r",
         }
     )
-    contexts = {
-        100 + i: make_context(100 + i, config, {"partition-id": i, "num-partitions": 5})
-        for i in range(5)
-    }
-    grid = FakeGrid(contexts)
+    grid = make_grid(config, 5)
     grid.tamper[104] = boost(1000.0)
     server = build_server(config, bundle=digits_bundle).runner
     initial = server.initial_arrays("cnn-2")

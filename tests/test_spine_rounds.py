@@ -26,16 +26,9 @@ from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
-from tests.conftest import FakeGrid, instruction, make_context
+from tests.conftest import TINY_DIGITS, FakeGrid, instruction, make_context, make_grid
 
-TINY = {
-    "local-epochs": 1,
-    "dataset": "digits",
-    "model-family": "cnn",
-    "sim-device-profiles": "cpu-small,cpu-large,jetson-orin",
-    "round-timeout": 5.0,
-    "cvae-epochs": 5,
-}
+TINY = {**TINY_DIGITS, "cvae-epochs": 5}
 
 RunConfigFactory = Callable[..., dict[str, Any]]
 
@@ -43,14 +36,6 @@ RunConfigFactory = Callable[..., dict[str, Any]]
 @pytest.fixture(autouse=True)
 def _fast(fast_clients: None) -> None:
     """Cached data and candidate costs, one torch thread."""
-
-
-def make_grid(config: Mapping[str, Any], num_nodes: int) -> FakeGrid:
-    contexts = {
-        100 + i: make_context(100 + i, config, {"partition-id": i, "num-partitions": num_nodes})
-        for i in range(num_nodes)
-    }
-    return FakeGrid(contexts)
 
 
 def run(

@@ -24,16 +24,10 @@ from strategies.base import parse_handshake
 from strategies.felo.knowledge import COUNTS, KNOWLEDGE
 from strategies.validation import Rejection, ReplyLimits, ReplySchema, validate_reply
 from tessera import wire
-from tests.conftest import FakeGrid, instruction, make_context
+from tests.conftest import TINY_DIGITS, instruction, make_grid
 
 NODE = 7
-TINY = {
-    "local-epochs": 1,
-    "dataset": "digits",
-    "model-family": "cnn",
-    "sim-device-profiles": "cpu-small,cpu-large,jetson-orin",
-    "round-timeout": 5.0,
-}
+TINY = TINY_DIGITS
 RunConfigFactory = Callable[..., dict[str, Any]]
 
 
@@ -184,11 +178,7 @@ def test_inflated_num_examples_cannot_replace_the_global_model(
             "run-name": "r",
         }
     )
-    contexts = {
-        100 + i: make_context(100 + i, config, {"partition-id": i, "num-partitions": 3})
-        for i in range(3)
-    }
-    grid = FakeGrid(contexts)
+    grid = make_grid(config, 3)
     grid.tamper[102] = set_num_examples(10**18)
     server = build_server(config, bundle=digits_bundle).runner
 
@@ -238,11 +228,7 @@ def test_hostile_per_class_counts_are_rejected(
             "run-name": "r",
         }
     )
-    contexts = {
-        100 + i: make_context(100 + i, config, {"partition-id": i, "num-partitions": 3})
-        for i in range(3)
-    }
-    grid = FakeGrid(contexts)
+    grid = make_grid(config, 3)
 
     def hook(reply: Message) -> Message | None:
         record = reply.content.array_records[KNOWLEDGE]
@@ -321,11 +307,7 @@ def test_a_node_lying_about_its_rank_does_not_move_fedavg(
             "run-name": "r",
         }
     )
-    contexts = {
-        100 + i: make_context(100 + i, config, {"partition-id": i, "num-partitions": 3})
-        for i in range(3)
-    }
-    grid = FakeGrid(contexts)
+    grid = make_grid(config, 3)
     real = grid.handlers[wire.HANDSHAKE]
 
     def lying_handshake(msg: Message, context: Any) -> Message:
