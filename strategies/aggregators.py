@@ -20,17 +20,55 @@ under their own names (:func:`register_aggregator`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from strategies.aggregation import AggregationError
-from tessera.config import ConfigError
+from tessera.config import ConfigError, RunConfig
 
 Index = tuple[slice, ...]
 """Where a reply's entry sits inside the global entry (one slice per dimension)."""
+
+
+@dataclass(frozen=True)
+class Clip:
+    """One update whose distance from the global model was scaled down.
+
+    Attributes
+    ----------
+    position : int
+        Its place in the round's fold order (0-based).
+    distance : float
+        Its L2 distance from the global model before clipping.
+    bound : float
+        The distance it was clipped to.
+    """
+
+    position: int
+    distance: float
+    bound: float
+
+
+@dataclass(frozen=True)
+class AccumulatorReport:
+    """What an accumulator did this round, for the round record and the next round.
+
+    Attributes
+    ----------
+    median_distance : float | None
+        Lower median of the positive L2 distances of the round's updates from the
+        global model (``None`` when the accumulator does not measure them); the next
+        round's clipping bound of ``mean`` is ``clip-factor`` times this.
+    clips : tuple[Clip, ...]
+        Updates that were scaled down.
+    """
+
+    median_distance: float | None = None
+    clips: tuple[Clip, ...] = ()
 
 
 class Accumulator(Protocol):
@@ -55,6 +93,10 @@ class Accumulator(Protocol):
         """Return the aggregated weights (raises if nothing was added)."""
         ...
 
+    def report(self) -> AccumulatorReport:
+        """Return what was measured and clipped (call after :meth:`result`)."""
+        ...
+
 
 class Aggregator(Protocol):
     """Makes an :class:`Accumulator` for one model and one round."""
@@ -64,8 +106,14 @@ class Aggregator(Protocol):
         """The run-config ``aggregator`` value."""
         ...
 
-    def accumulator(self, reference: Mapping[str, np.ndarray]) -> Accumulator:
-        """Start aggregating updates of the model whose current weights are ``reference``."""
+    def accumulator(
+        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+    ) -> Accumulator:
+        """Start aggregating updates of the model whose current weights are ``reference``.
+
+        ``previous`` is the report of the same model's last committed round (``None``
+        for its first), for aggregators whose bound carries over between rounds.
+        """
         ...
 
 
@@ -93,46 +141,113 @@ def _check_index(key: str, index: Index, value: np.ndarray, ref: np.ndarray) -> 
     return index
 
 
+def lower_median(values: Sequence[float]) -> float:
+    """Return the lower median of ``values`` (an element of them; raises if empty)."""
+    if not values:
+        raise ValueError("the median of nothing is undefined")
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2])
+
+
+def update_distance(
+    update: Mapping[str, np.ndarray],
+    reference: Mapping[str, np.ndarray],
+    index: Mapping[str, Index | None],
+) -> float:
+    """L2 distance of an update's floating entries from the reference's matching values.
+
+    An entry with an index is compared with the part of the reference it covers;
+    integer entries (step counters) are left out.
+    """
+    total = 0.0
+    for key, value in update.items():
+        ref = reference[key]
+        if not np.issubdtype(ref.dtype, np.floating):
+            continue
+        where = index.get(key)
+        base = ref if where is None else ref[where]
+        diff = value.astype(np.float64) - base.astype(np.float64)
+        total += float(np.vdot(diff, diff))
+    return math.sqrt(total)
+
+
+def scale_update(
+    update: Mapping[str, np.ndarray],
+    reference: Mapping[str, np.ndarray],
+    index: Mapping[str, Index | None],
+    factor: float,
+) -> dict[str, np.ndarray]:
+    """Return ``reference + factor * (update - reference)`` on the floating entries (float64)."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in update.items():
+        ref = reference[key]
+        if not np.issubdtype(ref.dtype, np.floating):
+            out[key] = value
+            continue
+        where = index.get(key)
+        base = (ref if where is None else ref[where]).astype(np.float64)
+        out[key] = base + factor * (value.astype(np.float64) - base)
+    return out
+
+
+_Checked = dict[str, tuple[np.ndarray, Index | None]]
+
+
 class MeanAccumulator:
-    """Weighted mean with per-entry coverage, accumulated in float64.
+    """Weighted mean with per-entry coverage, accumulated in float64, optionally bounded.
+
+    With ``clip_factor > 0`` every update's L2 distance from the reference (the
+    current global weights) is clipped to ``clip_factor`` times the cohort's median
+    distance, so that no single node can move the model arbitrarily far:
+
+    - when ``previous_distance`` (the lower median of the positive distances of this
+      model's last committed round) is known, the bound is ``clip_factor *
+      previous_distance`` and updates are clipped and folded as they arrive (memory:
+      one float64 accumulator per model);
+    - otherwise (the model's first round, or a round after which nothing moved) the
+      round's updates are kept until :meth:`result`, which clips them against this
+      round's own median (memory: the round's updates, once).
 
     Parameters
     ----------
     reference : Mapping[str, np.ndarray]
         The current global weights: names, shapes and dtypes of the result, and the
         values of entries no update covers.
+    clip_factor : float
+        Multiple of the cohort's median distance an update may move the model
+        (``0`` switches the bound off).
+    previous_distance : float | None
+        The last round's median distance, or ``None``.
     """
 
-    def __init__(self, reference: Mapping[str, np.ndarray]) -> None:
+    def __init__(
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        clip_factor: float = 0.0,
+        previous_distance: float | None = None,
+    ) -> None:
         self.reference = dict(reference)
+        self.clip_factor = float(clip_factor)
+        self.bound: float | None = None
+        if self.clip_factor > 0 and previous_distance is not None and previous_distance > 0:
+            self.bound = self.clip_factor * float(previous_distance)
         self._sums: dict[str, np.ndarray] = {}
         self._weights: dict[str, np.ndarray | float] = {}
         self._count = 0
+        self._distances: list[float] = []
+        self._buffer: list[tuple[int, _Checked, float, float]] = []
+        self._clips: list[Clip] = []
 
     @property
     def count(self) -> int:
         """Number of updates folded in so far."""
         return self._count
 
-    def add(
-        self,
-        update: Mapping[str, np.ndarray],
-        weight: float,
-        *,
-        index: Mapping[str, Index] | None = None,
-    ) -> None:
-        """Add ``weight * update`` to the sums and ``weight`` to the coverage.
-
-        Raises
-        ------
-        AggregationError
-            If the weight is not finite and positive, or an entry is unknown or of
-            the wrong dtype or shape; nothing is added then.
-        """
-        w = float(weight)
-        if not np.isfinite(w) or w <= 0:
-            raise AggregationError(f"weight {weight!r} must be finite and positive")
-        checked: list[tuple[str, np.ndarray, Index | None]] = []
+    def _check(
+        self, update: Mapping[str, np.ndarray], index: Mapping[str, Index] | None
+    ) -> _Checked:
+        checked: _Checked = {}
         for key, value in update.items():
             if key not in self.reference:
                 raise AggregationError(f"update has entry '{key}' that the global model lacks")
@@ -151,8 +266,54 @@ class MeanAccumulator:
                 where = _check_index(key, where, value, ref)
                 if tuple(value.shape) == tuple(ref.shape):
                     where = None
-            checked.append((key, value, where))
-        for key, value, where in checked:
+            checked[key] = (value, where)
+        return checked
+
+    def add(
+        self,
+        update: Mapping[str, np.ndarray],
+        weight: float,
+        *,
+        index: Mapping[str, Index] | None = None,
+    ) -> None:
+        """Add ``weight * update`` (clipped, when bounded) to the sums, ``weight`` to the coverage.
+
+        Raises
+        ------
+        AggregationError
+            If the weight is not finite and positive, or an entry is unknown or of
+            the wrong dtype or shape; nothing is added then.
+        """
+        w = float(weight)
+        if not np.isfinite(w) or w <= 0:
+            raise AggregationError(f"weight {weight!r} must be finite and positive")
+        checked = self._check(update, index)
+        position = self._count
+        self._count += 1
+        if self.clip_factor <= 0:
+            self._fold(checked, w)
+            return
+        values = {k: v for k, (v, _) in checked.items()}
+        where = {k: i for k, (_, i) in checked.items()}
+        distance = update_distance(values, self.reference, where)
+        if distance > 0:
+            self._distances.append(distance)
+        if self.bound is None:
+            self._buffer.append((position, checked, w, distance))
+            return
+        self._fold(self._clipped(position, checked, distance, self.bound), w)
+
+    def _clipped(self, position: int, checked: _Checked, distance: float, bound: float) -> _Checked:
+        if distance <= bound:
+            return checked
+        self._clips.append(Clip(position, distance, bound))
+        values = {k: v for k, (v, _) in checked.items()}
+        where = {k: i for k, (_, i) in checked.items()}
+        scaled = scale_update(values, self.reference, where, bound / distance)
+        return {k: (scaled[k], where[k]) for k in checked}
+
+    def _fold(self, checked: _Checked, w: float) -> None:
+        for key, (value, where) in checked.items():
             ref = self.reference[key]
             if key not in self._sums:
                 self._sums[key] = np.zeros(ref.shape, dtype=np.float64)
@@ -172,7 +333,16 @@ class MeanAccumulator:
                     cover = np.full(ref.shape, cover, dtype=np.float64)
                     self._weights[key] = cover
                 cover[where] += w
-        self._count += 1
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        bound = self.clip_factor * lower_median(self._distances) if self._distances else 0.0
+        for position, checked, w, distance in self._buffer:
+            kept = self._clipped(position, checked, distance, bound) if bound > 0 else checked
+            self._fold(kept, w)
+        self._buffer = []
+        self.bound = bound if bound > 0 else None
 
     def result(self) -> dict[str, np.ndarray]:
         """Return the per-entry weighted mean; uncovered entries keep the reference.
@@ -184,6 +354,7 @@ class MeanAccumulator:
         """
         if self._count == 0:
             raise AggregationError("nothing to aggregate: no update was added")
+        self._flush()
         out: dict[str, np.ndarray] = {}
         for key, ref in self.reference.items():
             if key not in self._sums:
@@ -201,24 +372,43 @@ class MeanAccumulator:
             out[key] = mean.astype(ref.dtype)
         return out
 
+    def report(self) -> AccumulatorReport:
+        """Return the round's median distance (when measured) and the clipped updates."""
+        median = lower_median(self._distances) if self._distances else None
+        return AccumulatorReport(median_distance=median, clips=tuple(self._clips))
+
 
 @dataclass(frozen=True)
 class MeanAggregator:
-    """Example-weighted mean (FedAvg), streaming, with per-entry coverage."""
+    """Example-weighted mean (FedAvg), streaming, with per-entry coverage.
 
+    ``clip_factor > 0`` bounds each update's distance from the global model by that
+    multiple of the cohort's median distance (see :class:`MeanAccumulator`).
+    """
+
+    clip_factor: float = 0.0
     name: str = "mean"
 
-    def accumulator(self, reference: Mapping[str, np.ndarray]) -> Accumulator:
-        """Return a fresh :class:`MeanAccumulator`."""
-        return MeanAccumulator(reference)
+    def accumulator(
+        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+    ) -> Accumulator:
+        """Return a fresh :class:`MeanAccumulator` bounded by the previous round's median."""
+        return MeanAccumulator(
+            reference,
+            clip_factor=self.clip_factor,
+            previous_distance=None if previous is None else previous.median_distance,
+        )
 
 
 @dataclass(frozen=True)
 class AggregatorSettings:
-    """The run-config knobs of the robust aggregators (:mod:`strategies.robust`).
+    """The run-config knobs of the aggregators (:mod:`strategies.robust`).
 
     Attributes
     ----------
+    clip_factor : float
+        ``clip-factor``: ``mean`` clips each update's distance from the global model
+        to this multiple of the cohort's median distance (0: off).
     trim_fraction : float
         ``trim-fraction``: share cut from each end per coordinate (``trimmed-mean``).
     krum_byzantine : int
@@ -228,9 +418,20 @@ class AggregatorSettings:
         (``norm-clip``).
     """
 
+    clip_factor: float = 0.0
     trim_fraction: float = 0.1
     krum_byzantine: int = 1
     clip_norm: float = 10.0
+
+    @classmethod
+    def from_run(cls, run: RunConfig) -> AggregatorSettings:
+        """Take the settings from a parsed run config."""
+        return cls(
+            clip_factor=run.clip_factor,
+            trim_fraction=run.trim_fraction,
+            krum_byzantine=run.krum_byzantine,
+            clip_norm=run.clip_norm,
+        )
 
 
 AggregatorFactory = Callable[[AggregatorSettings], Aggregator]
@@ -264,4 +465,4 @@ def get_aggregator(name: str, settings: AggregatorSettings | None = None) -> Agg
     return _AGGREGATORS[name](settings if settings is not None else AggregatorSettings())
 
 
-register_aggregator("mean", lambda settings: MeanAggregator())
+register_aggregator("mean", lambda settings: MeanAggregator(settings.clip_factor))

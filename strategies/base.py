@@ -55,7 +55,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from strategies.aggregation import mean_std
-from strategies.aggregators import Aggregator, get_aggregator
+from strategies.aggregators import Aggregator, AggregatorSettings, get_aggregator
 from strategies.exchange import (
     POLL_INTERVAL,
     ExchangeResult,
@@ -64,6 +64,7 @@ from strategies.exchange import (
     is_simulation,
     wait_for_nodes,
 )
+from strategies.groups import NonFiniteStateError
 from strategies.validation import (
     ArraySpec,
     ClientReply,
@@ -342,7 +343,9 @@ class HeteroStrategy:
         self.options = options
         self.results = results
         self.aggregator = (
-            aggregator if aggregator is not None else get_aggregator(env.run.aggregator)
+            aggregator
+            if aggregator is not None
+            else get_aggregator(env.run.aggregator, AggregatorSettings.from_run(env.run))
         )
         self.federation = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.nodes: dict[int, NodeInfo] = {}
@@ -653,7 +656,13 @@ class HeteroStrategy:
                 )
         extra: dict[str, Any] = {}
         if skip_reason is None:
-            extra = self.aggregate(ctx, ctx.accepted)
+            try:
+                extra = self.aggregate(ctx, ctx.accepted)
+            except NonFiniteStateError as err:
+                skip_reason = f"refusing to ship a non-finite state: {err}"
+            except (ValueError, ArithmeticError) as err:
+                skip_reason = f"the accepted replies cannot be aggregated: {err}"
+        if skip_reason is None:
             self.failed_streak = 0
         else:
             self.discard(ctx)

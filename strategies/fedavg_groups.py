@@ -50,7 +50,8 @@ class FedAvgGroupsStrategy(HeteroStrategy):
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Commit each group's aggregate."""
-        return {"group_sizes": self.models.commit()}
+        sizes = self.models.commit()
+        return {"group_sizes": sizes, "clipped": self.models.last_clips}
 
     def discard(self, ctx: RoundContext) -> None:
         """Keep the previous group models."""

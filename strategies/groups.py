@@ -10,6 +10,7 @@ were).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -17,9 +18,25 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.aggregators import Accumulator, Aggregator, Index
+from strategies.aggregators import Accumulator, AccumulatorReport, Aggregator, Index
 from strategies.validation import ClientReply
 from tessera import wire
+
+log = logging.getLogger("flwr.tessera")
+
+
+class NonFiniteStateError(ArithmeticError):
+    """An aggregate (weights, kernel, targets) is not finite: it must not be shipped."""
+
+
+def non_finite_entries(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """Names of the floating entries of ``arrays`` that hold a NaN or an infinity."""
+    return [
+        key
+        for key, value in arrays.items()
+        if np.issubdtype(np.asarray(value).dtype, np.floating)
+        and not bool(np.all(np.isfinite(value)))
+    ]
 
 
 class GroupModels:
@@ -39,7 +56,12 @@ class GroupModels:
         self.aggregator = aggregator
         self.initial = initial
         self.arrays: dict[str, dict[str, np.ndarray]] = {}
+        self.reports: dict[str, AccumulatorReport] = {}
+        """Each group's last committed accumulator report (carries the clip bound)."""
+        self.last_clips: list[dict[str, Any]] = []
+        """Updates clipped in the last committed round: node, arch, distance, bound."""
         self._pending: dict[str, Accumulator] = {}
+        self._senders: dict[str, list[int | None]] = {}
 
     def get(self, arch: str) -> dict[str, np.ndarray]:
         """Return the current global weights of ``arch`` (initialised on first use)."""
@@ -54,37 +76,96 @@ class GroupModels:
         weight: float,
         *,
         index: Mapping[str, Index] | None = None,
+        node: int | None = None,
     ) -> None:
-        """Fold one accepted update of ``arch`` into this round's accumulator."""
+        """Fold one accepted update of ``arch`` (sent by ``node``) into this round's accumulator."""
         if arch not in self._pending:
-            self._pending[arch] = self.aggregator.accumulator(self.get(arch))
-        self._pending[arch].add(update, weight, index=index)
+            self._pending[arch] = self.aggregator.accumulator(
+                self.get(arch), previous=self.reports.get(arch)
+            )
+            self._senders[arch] = []
+        acc = self._pending[arch]
+        before = acc.count
+        acc.add(update, weight, index=index)
+        if acc.count > before:
+            self._senders[arch].append(node)
 
     def commit(self) -> dict[str, int]:
-        """Replace each group's weights by its aggregate; return updates per group."""
-        sizes = {}
+        """Replace each group's weights by its aggregate; return updates per group.
+
+        Every aggregate is computed and checked before any is kept, so the commit is
+        all or nothing.
+
+        Raises
+        ------
+        NonFiniteStateError
+            If an aggregate holds a non-finite value; every group keeps its weights.
+        """
+        results: dict[str, dict[str, np.ndarray]] = {}
+        reports: dict[str, AccumulatorReport] = {}
         for arch, acc in sorted(self._pending.items()):
             if acc.count > 0:
-                self.arrays[arch] = acc.result()
-                sizes[arch] = acc.count
+                results[arch] = acc.result()
+                reports[arch] = acc.report()
+                bad = non_finite_entries(results[arch])
+                if bad:
+                    self.discard()
+                    raise NonFiniteStateError(
+                        f"the aggregate of '{arch}' has non-finite values in {bad[:3]}; "
+                        "it is not shipped and the group keeps its weights"
+                    )
+        self.last_clips = []
+        for arch, report in reports.items():
+            senders = self._senders.get(arch, [])
+            for clip in report.clips:
+                node = senders[clip.position] if clip.position < len(senders) else None
+                self.last_clips.append(
+                    {"node": node, "arch": arch, "distance": clip.distance, "bound": clip.bound}
+                )
+                log.info(
+                    "node %s: update of '%s' clipped from distance %.4g to %.4g (aggregator '%s')",
+                    node,
+                    arch,
+                    clip.distance,
+                    clip.bound,
+                    self.aggregator.name,
+                )
+            self.reports[arch] = report
+        sizes = {arch: self._pending[arch].count for arch in results}
+        self.arrays.update(results)
         self._pending = {}
+        self._senders = {}
         return sizes
 
     def discard(self) -> None:
         """Drop this round's accumulators; the global weights stay unchanged."""
         self._pending = {}
+        self._senders = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the global weights, for a checkpoint."""
-        return {arch: dict(arrays) for arch, arrays in self.arrays.items()}
+        """Return the global weights and each group's median distance, for a checkpoint."""
+        return {
+            "arrays": {arch: dict(arrays) for arch, arrays in self.arrays.items()},
+            "median_distance": {
+                arch: r.median_distance
+                for arch, r in self.reports.items()
+                if r.median_distance is not None
+            },
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the global weights of :meth:`state_dict`."""
+        """Restore :meth:`state_dict`."""
+        arrays = state.get("arrays", state)  # older checkpoints hold the arrays only
         self.arrays = {
-            str(arch): {str(k): np.asarray(v) for k, v in arrays.items()}
-            for arch, arrays in state.items()
+            str(arch): {str(k): np.asarray(v) for k, v in group.items()}
+            for arch, group in arrays.items()
+        }
+        self.reports = {
+            str(arch): AccumulatorReport(median_distance=float(d))
+            for arch, d in (state.get("median_distance", {}) if "arrays" in state else {}).items()
         }
         self._pending = {}
+        self._senders = {}
 
 
 def without_arrays(reply: ClientReply) -> ClientReply:
@@ -103,5 +184,5 @@ def fold_weights(models: GroupModels, reply: ClientReply) -> ClientReply:
     """
     if reply.arrays is None:
         raise ValueError(f"node {reply.node_id} sent no weights")
-    models.fold(reply.arch, reply.arrays, float(reply.num_examples))
+    models.fold(reply.arch, reply.arrays, float(reply.num_examples), node=reply.node_id)
     return without_arrays(reply)

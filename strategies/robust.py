@@ -33,9 +33,11 @@ import numpy as np
 from strategies.aggregation import AggregationError
 from strategies.aggregators import (
     Accumulator,
+    AccumulatorReport,
     Index,
     MeanAccumulator,
     register_aggregator,
+    update_distance,
 )
 
 
@@ -154,6 +156,10 @@ class BufferedAccumulator:
                 )
         self._rows.append(flatten(update, self.keys))
 
+    def report(self) -> AccumulatorReport:
+        """Nothing is measured or clipped: the combination rule itself is the defence."""
+        return AccumulatorReport()
+
     def result(self) -> dict[str, np.ndarray]:
         """Combine the kept updates; non-floating entries keep the reference.
 
@@ -178,12 +184,20 @@ class BufferedAccumulator:
 
 
 class NormClipAccumulator(MeanAccumulator):
-    """Example-weighted mean of updates whose distance to the global model is clipped."""
+    """Example-weighted mean of updates whose distance to the global model is clipped.
+
+    Partial updates (per-entry coverage) are measured and clipped on the part of the
+    global model they cover.
+    """
 
     def __init__(self, reference: Mapping[str, np.ndarray], max_norm: float) -> None:
         super().__init__(reference)
         self.max_norm = max_norm
-        self.clipped = 0
+
+    @property
+    def clipped(self) -> int:
+        """Number of updates scaled down so far."""
+        return len(self._clips)
 
     def add(
         self,
@@ -197,32 +211,21 @@ class NormClipAccumulator(MeanAccumulator):
         Raises
         ------
         AggregationError
-            If the update is partial or does not match the global weights.
+            If the weight is not positive or the update does not match the global
+            weights; nothing is added then.
         """
-        if index:
-            raise AggregationError("norm-clip needs full updates (no per-entry coverage)")
-        keys = [k for k, v in self.reference.items() if np.issubdtype(v.dtype, np.floating)]
-        missing = [k for k in keys if k not in update]
-        if missing:
-            raise AggregationError(f"update lacks entries {missing[:5]}")
-        for key in keys:
-            if update[key].shape != self.reference[key].shape:
-                raise AggregationError(
-                    f"entry '{key}' has shape {update[key].shape}, expected "
-                    f"{self.reference[key].shape}"
-                )
-        delta = flatten(update, keys) - flatten(self.reference, keys)
-        clipped, factor = clip_to_norm(delta, self.max_norm)
-        if factor < 1.0:
-            self.clipped += 1
-        rebuilt = dict(update)
-        offset = 0
-        for key in keys:
-            ref = self.reference[key]
-            part = clipped[offset : offset + ref.size].reshape(ref.shape)
-            rebuilt[key] = (ref.astype(np.float64) + part).astype(ref.dtype)
-            offset += ref.size
-        super().add(rebuilt, weight)
+        w = float(weight)
+        if not np.isfinite(w) or w <= 0:
+            raise AggregationError(f"weight {weight!r} must be finite and positive")
+        checked = self._check(update, index)
+        values = {k: v for k, (v, _) in checked.items()}
+        where = {k: i for k, (_, i) in checked.items()}
+        distance = update_distance(values, self.reference, where)
+        if distance > 0:
+            self._distances.append(distance)
+        position = self._count
+        self._count += 1
+        self._fold(self._clipped(position, checked, distance, self.max_norm), w)
 
 
 # ------------------------------------------------------------------------ aggregators
@@ -232,7 +235,9 @@ class MedianAggregator:
 
     name: str = "median"
 
-    def accumulator(self, reference: Mapping[str, np.ndarray]) -> Accumulator:
+    def accumulator(
+        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+    ) -> Accumulator:
         """Return a buffered accumulator combining by the median."""
         return BufferedAccumulator(reference, coordinate_median)
 
@@ -244,7 +249,9 @@ class TrimmedMeanAggregator:
     trim_fraction: float = 0.1
     name: str = "trimmed-mean"
 
-    def accumulator(self, reference: Mapping[str, np.ndarray]) -> Accumulator:
+    def accumulator(
+        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+    ) -> Accumulator:
         """Return a buffered accumulator combining by the trimmed mean."""
         fraction = self.trim_fraction
 
@@ -262,7 +269,9 @@ class KrumAggregator:
     multi: bool = False
     name: str = "krum"
 
-    def accumulator(self, reference: Mapping[str, np.ndarray]) -> Accumulator:
+    def accumulator(
+        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+    ) -> Accumulator:
         """Return a buffered accumulator combining by (multi-)Krum."""
         f, multi = self.byzantine, self.multi
 
@@ -283,7 +292,9 @@ class NormClipAggregator:
     max_norm: float = 10.0
     name: str = "norm-clip"
 
-    def accumulator(self, reference: Mapping[str, np.ndarray]) -> Accumulator:
+    def accumulator(
+        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+    ) -> Accumulator:
         """Return a clipping accumulator."""
         return NormClipAccumulator(reference, self.max_norm)
 

@@ -17,6 +17,11 @@ from typing import Any, TypeVar
 T = TypeVar("T", int, float, str, bool)
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
+KNOWLEDGE_MERGES = ("mean", "median", "trimmed-mean")
+"""How per-client knowledge (class features/logits, kernels) is merged: run-config
+``knowledge-merge``."""
+ATTACKS = ("label-flip", "backdoor", "boost", "sign-flip", "noise", "free-rider")
+"""Hostile behaviours of the attack harness (run-config/node-config ``attack``)."""
 
 
 class ConfigError(ValueError):
@@ -160,6 +165,13 @@ class RunConfig:
     trim_fraction: float = 0.1
     krum_byzantine: int = 1
     clip_norm: float = 10.0
+    clip_factor: float = 3.0
+    knowledge_merge: str = "mean"
+    attack: tuple[str, ...] = ()
+    attack_fraction: float = 0.25
+    attack_lambda: float = 1.0
+    attack_scale: float = 10.0
+    attack_noise: float = 1.0
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -218,6 +230,13 @@ class RunConfig:
             trim_fraction=r.get("trim-fraction", float, 0.1),
             krum_byzantine=r.get("krum-byzantine", int, 1),
             clip_norm=r.get("clip-norm", float, 10.0),
+            clip_factor=r.get("clip-factor", float, 3.0),
+            knowledge_merge=r.get("knowledge-merge", str, "mean").strip().lower(),
+            attack=parse_csv(r.optional_str("attack")),
+            attack_fraction=r.get("attack-fraction", float, 0.25),
+            attack_lambda=r.get("attack-lambda", float, 1.0),
+            attack_scale=r.get("attack-scale", float, 10.0),
+            attack_noise=r.get("attack-noise", float, 1.0),
         )
         cfg.validate()
         return cfg
@@ -347,6 +366,49 @@ class RunConfig:
         )
         _require(self.clip_norm > 0, "clip-norm", self.clip_norm, "use a positive L2 norm")
         _require(
+            self.clip_factor == 0 or self.clip_factor >= 1,
+            "clip-factor",
+            self.clip_factor,
+            "use 0 (no bound) or a multiple >= 1 of the cohort's median distance, e.g. 3",
+        )
+        _require(
+            self.knowledge_merge in KNOWLEDGE_MERGES,
+            "knowledge-merge",
+            self.knowledge_merge,
+            f"use one of {', '.join(KNOWLEDGE_MERGES)}",
+        )
+        unknown = [a for a in self.attack if a not in ATTACKS]
+        _require(
+            not unknown,
+            "attack",
+            ",".join(self.attack),
+            f"name attacks among {', '.join(ATTACKS)} (comma-separated), or leave it empty",
+        )
+        _require(
+            0.0 <= self.attack_fraction <= 1.0,
+            "attack-fraction",
+            self.attack_fraction,
+            "use the share of partitions that attack, in [0, 1]",
+        )
+        _require(
+            math.isfinite(self.attack_lambda) and self.attack_lambda >= 0,
+            "attack-lambda",
+            self.attack_lambda,
+            "use a non-negative intensity, e.g. 1.0",
+        )
+        _require(
+            math.isfinite(self.attack_scale) and self.attack_scale > 0,
+            "attack-scale",
+            self.attack_scale,
+            "use a positive factor, e.g. 10",
+        )
+        _require(
+            math.isfinite(self.attack_noise) and self.attack_noise >= 0,
+            "attack-noise",
+            self.attack_noise,
+            "use a non-negative standard deviation, e.g. 1.0",
+        )
+        _require(
             bool(self.output_dir.strip()),
             "output-dir",
             self.output_dir,
@@ -378,6 +440,9 @@ class NodeConfig:
     state_dir : str | None
         A folder where the node keeps its state across restarts (profile,
         personal model, scheme state); ``None`` keeps it in memory only.
+    attack : str | None
+        Makes this node hostile (the attack harness, :mod:`client_app.attacks`):
+        one of :data:`ATTACKS`.
     """
 
     partition_id: int | None
@@ -386,6 +451,7 @@ class NodeConfig:
     device_profile: str | None
     data_path: str | None
     state_dir: str | None = None
+    attack: str | None = None
 
     @property
     def owner(self) -> str:
@@ -427,4 +493,16 @@ class NodeConfig:
             device_profile=r.optional_str("device-profile"),
             data_path=data_path,
             state_dir=r.optional_str("state-dir"),
+            attack=_node_attack(r.optional_str("attack")),
         )
+
+
+def _node_attack(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = value.strip().lower()
+    if name not in ATTACKS:
+        raise ConfigError(
+            f"node-config 'attack' is '{value}'; use one of {', '.join(ATTACKS)} or leave it out"
+        )
+    return name

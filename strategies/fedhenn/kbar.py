@@ -27,6 +27,7 @@ Truncating to rank ``r`` gives ``CKA(K_bar, K_r) = sqrt(energy captured)`` exact
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,24 +126,66 @@ def normalise_weights(weights: Sequence[float]) -> np.ndarray:
     return normalised
 
 
+def _unit_scale(rep: np.ndarray) -> np.ndarray:
+    """Return ``rep`` in float64 divided by its largest magnitude.
+
+    The normalised linear kernel and the RBF kernel with a median-distance bandwidth
+    are both invariant to this scale; it keeps products of huge (hostile) values
+    from overflowing to infinities and NaNs.
+    """
+    a = rep.astype(np.float64)
+    peak = float(np.max(np.abs(a))) if a.size else 0.0
+    return a / peak if peak > 0 and np.isfinite(peak) else a
+
+
+def _unit_kernel(rep: np.ndarray, kernel: str) -> np.ndarray:
+    """Return the centred ``n x n`` kernel of one representation, of unit Frobenius norm."""
+    a = _unit_scale(rep)
+    if kernel == "linear":
+        a = a - a.mean(axis=0, keepdims=True)
+        k = a @ a.T
+    else:
+        k = centre_kernel(rbf_kernel(torch.from_numpy(a))).numpy()
+    norm = float(np.linalg.norm(k))
+    if norm <= 0:
+        raise KernelAverageError("a representation is constant (zero norm after centring)")
+    return np.asarray(k / norm)
+
+
 def average_kernel(
-    representations: Sequence[np.ndarray], weights: Sequence[float], *, kernel: str
+    representations: Sequence[np.ndarray],
+    weights: Sequence[float],
+    *,
+    kernel: str,
+    merge: str = "mean",
+    trim_fraction: float = 0.1,
 ) -> ExactKernel:
-    """Build the centred ``K_bar = sum_j w_j K_j / ||K_j||_F`` of the representations.
+    """Build the centred ``K_bar`` of the clients' representations.
+
+    ``merge="mean"`` (the paper's): ``K_bar = sum_j w_j K_j / ||K_j||_F``; each
+    client's kernel has unit norm, so no client outweighs its weight however it
+    scales its representation. ``"median"`` / ``"trimmed-mean"``: the element-wise
+    median / trimmed mean (``trim_fraction`` from each end) of the unit-norm kernels,
+    unweighted (memory: one ``n x n`` float64 matrix per client).
 
     Parameters
     ----------
     representations : Sequence[np.ndarray]
         One ``n x d_j`` representation per client (same ``n``, any ``d_j``).
     weights : Sequence[float]
-        One non-negative weight per client (normalised here).
+        One non-negative weight per client (normalised here; ignored by the robust
+        merges).
     kernel : str
         ``"linear"`` or ``"rbf"`` (median-distance bandwidth per client).
+    merge : str
+        ``"mean"``, ``"median"`` or ``"trimmed-mean"`` (run-config ``knowledge-merge``).
+    trim_fraction : float
+        Share trimmed from each end by ``"trimmed-mean"``.
 
     Returns
     -------
     ExactKernel
-        ``K_bar`` as a factor (linear) or a matrix (RBF), in float64.
+        ``K_bar`` as a factor (linear mean) or a matrix, in float64.
 
     Raises
     ------
@@ -154,6 +197,10 @@ def average_kernel(
             f"{len(representations)} representations but {len(weights)} weights; "
             "pass one weight per representation, at least one"
         )
+    if kernel not in ("linear", "rbf"):
+        raise KernelAverageError(f"unknown kernel '{kernel}'; use 'linear' or 'rbf'")
+    if merge not in ("mean", "median", "trimmed-mean"):
+        raise KernelAverageError(f"unknown merge '{merge}'; use mean, median or trimmed-mean")
     w = normalise_weights(weights)
     rows = {int(r.shape[0]) for r in representations}
     if len(rows) != 1 or any(r.ndim != 2 for r in representations):
@@ -161,26 +208,29 @@ def average_kernel(
             "every representation must be an n x d matrix of the same n samples, got "
             f"shapes {[tuple(r.shape) for r in representations]}"
         )
+    if merge != "mean":
+        stack = np.stack([_unit_kernel(rep, kernel) for rep in representations])
+        k = stack.shape[0]
+        trim = math.ceil(trim_fraction * k) if merge == "trimmed-mean" else 0
+        if merge == "trimmed-mean" and 2 * trim < k:
+            matrix = np.sort(stack, axis=0)[trim : k - trim].mean(axis=0)
+        else:
+            matrix = np.median(stack, axis=0)
+        return ExactKernel(kernel, matrix=np.asarray(matrix))
     if kernel == "linear":
         parts = []
         for weight, rep in zip(w, representations, strict=True):
-            a = rep.astype(np.float64)
+            a = _unit_scale(rep)
             a = a - a.mean(axis=0, keepdims=True)
             norm = float(np.linalg.norm(a.T @ a))  # = ||A_c A_c^T||_F
             if norm <= 0:
                 raise KernelAverageError("a representation is constant (zero norm after centring)")
             parts.append(a * np.sqrt(weight / norm))
         return ExactKernel(kernel, z=np.concatenate(parts, axis=1))
-    if kernel == "rbf":
-        total = np.zeros((rows.pop(),) * 2, dtype=np.float64)
-        for weight, rep in zip(w, representations, strict=True):
-            k = centre_kernel(rbf_kernel(torch.from_numpy(rep.astype(np.float64)))).numpy()
-            norm = float(np.linalg.norm(k))
-            if norm <= 0:
-                raise KernelAverageError("a representation is constant (zero norm after centring)")
-            total += weight * k / norm
-        return ExactKernel(kernel, matrix=total)
-    raise KernelAverageError(f"unknown kernel '{kernel}'; use 'linear' or 'rbf'")
+    total = np.zeros((rows.pop(),) * 2, dtype=np.float64)
+    for weight, rep in zip(w, representations, strict=True):
+        total += weight * _unit_kernel(rep, kernel)
+    return ExactKernel(kernel, matrix=total)
 
 
 def _top_eigen(exact: ExactKernel) -> tuple[np.ndarray, np.ndarray, float]:

@@ -68,6 +68,7 @@ from strategies.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
 from strategies.fedavg import FedAvgOptions, FedAvgStrategy
 from strategies.fedhenn.cka import kernel_cka, linear_cka, rbf_cka, rbf_kernel
 from strategies.fedhenn.kbar import FactoredKernel, average_kernel, factorise
+from strategies.groups import NonFiniteStateError
 from strategies.registry import Scheme, register_scheme
 from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
@@ -547,8 +548,17 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
         if not reps:
             return out
         started = time.perf_counter()
-        exact = average_kernel(reps, self._weights(replies), kernel=self.options.kernel)
+        run = self.env.run
+        exact = average_kernel(
+            reps,
+            self._weights(replies),
+            kernel=self.options.kernel,
+            merge=run.knowledge_merge,
+            trim_fraction=run.trim_fraction,
+        )
         factored = factorise(exact, energy=self.options.kbar_energy, dtype=self.options.precision)
+        if not bool(np.all(np.isfinite(factored.factor))):
+            raise NonFiniteStateError("the averaged kernel K_bar is not finite")
         self.target = AlignmentTarget(self.rad.draw(server_round), factored, server_round)
         out.update(
             {

@@ -21,8 +21,9 @@ features, ``features`` (float32, ``(K, feature_dim)``). The client sends it as r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -214,12 +215,83 @@ def collect_knowledge(
     )
 
 
-def merge_knowledge(parts: Sequence[ClassKnowledge], num_classes: int) -> ClassKnowledge:
-    """Count-weighted per-class average of several clients' knowledge.
+def _lower_median(values: np.ndarray) -> float:
+    ordered = np.sort(values)
+    return float(ordered[(ordered.size - 1) // 2])
 
-    For class ``c``: ``sum_k n_kc * mean_kc / sum_k n_kc`` over the clients ``k`` that
-    hold ``c``. Classes no client holds are absent from the result. Features are
-    merged only if every part has them.
+
+def bound_knowledge(
+    parts: Sequence[ClassKnowledge], clip_factor: float
+) -> tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]:
+    """Clip every per-class vector to ``clip_factor`` times the cohort's median norm.
+
+    The logits rows of all parts (every client, every class) form one cohort, the
+    feature rows another; a row whose L2 norm exceeds ``clip_factor`` times the
+    lower median of the cohort's positive norms is scaled down to that bound, so no
+    client can make every client's target arbitrarily large. ``clip_factor <= 0``
+    returns the parts unchanged.
+
+    Returns
+    -------
+    tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]
+        The bounded parts, and one ``(part index, "logits" | "features", largest
+        norm, bound)`` per part whose rows were clipped.
+    """
+    if clip_factor <= 0 or not parts:
+        return list(parts), []
+    bounds: dict[str, float] = {}
+    for kind in ("logits", "features"):
+        rows = [getattr(p, kind) for p in parts if getattr(p, kind) is not None]
+        if not rows:
+            continue
+        norms = np.concatenate([np.linalg.norm(r.astype(np.float64), axis=1) for r in rows])
+        positive = norms[norms > 0]
+        if positive.size:
+            bounds[kind] = clip_factor * _lower_median(positive)
+    out: list[ClassKnowledge] = []
+    clips: list[tuple[int, str, float, float]] = []
+    for i, part in enumerate(parts):
+        changed: dict[str, np.ndarray] = {}
+        for kind, bound in bounds.items():
+            values = getattr(part, kind)
+            if values is None:
+                continue
+            as64 = values.astype(np.float64)
+            norms = np.linalg.norm(as64, axis=1)
+            if np.any(norms > bound):
+                scale = np.minimum(1.0, bound / np.maximum(norms, 1e-300))
+                changed[kind] = (as64 * scale[:, None]).astype(values.dtype)
+                clips.append((i, kind, float(norms.max()), bound))
+        out.append(replace(part, **changed) if changed else part)
+    return out, clips
+
+
+def _robust_rows(stack: np.ndarray, rule: str, trim_fraction: float) -> np.ndarray:
+    """Combine ``(k, d)`` rows of one class by ``rule`` (``median`` or ``trimmed-mean``)."""
+    k = stack.shape[0]
+    if rule == "trimmed-mean":
+        trim = math.ceil(trim_fraction * k)
+        if 2 * trim < k:
+            return np.asarray(np.sort(stack, axis=0)[trim : k - trim].mean(axis=0))
+    return np.asarray(np.median(stack, axis=0))
+
+
+def merge_knowledge(
+    parts: Sequence[ClassKnowledge],
+    num_classes: int,
+    *,
+    rule: str = "mean",
+    trim_fraction: float = 0.1,
+) -> ClassKnowledge:
+    """Merge several clients' per-class knowledge, class by class.
+
+    ``rule="mean"`` (Felo's): for class ``c``, ``sum_k n_kc * mean_kc / sum_k n_kc``
+    over the clients ``k`` that hold ``c``. ``"median"``: the coordinate-wise median
+    of the holders' vectors, unweighted (a claimed count buys no influence).
+    ``"trimmed-mean"``: per coordinate, drop the ``ceil(trim_fraction * k)`` largest
+    and smallest of the ``k`` holders' values and average the rest (the median when
+    too few hold the class). Classes no client holds are absent from the result;
+    counts are summed. Features are merged only if every part has them.
 
     Parameters
     ----------
@@ -227,19 +299,25 @@ def merge_knowledge(parts: Sequence[ClassKnowledge], num_classes: int) -> ClassK
         Validated client knowledge (same logit width; same feature width if any).
     num_classes : int
         Number of classes of the task.
+    rule : str
+        ``"mean"``, ``"median"`` or ``"trimmed-mean"`` (run-config ``knowledge-merge``).
+    trim_fraction : float
+        Share trimmed from each end by ``"trimmed-mean"``.
 
     Returns
     -------
     ClassKnowledge
-        Per-class averages with summed counts.
+        Per-class merged knowledge with summed counts.
 
     Raises
     ------
     KnowledgeError
-        If ``parts`` is empty or the widths disagree.
+        If ``parts`` is empty, the widths disagree or the rule is unknown.
     """
     if not parts:
         raise KnowledgeError("nothing to merge: no client knowledge was given")
+    if rule not in ("mean", "median", "trimmed-mean"):
+        raise KnowledgeError(f"unknown merge rule '{rule}'; use mean, median or trimmed-mean")
     with_features = all(p.features is not None for p in parts)
     feature_dims = {p.features.shape[1] for p in parts if p.features is not None}
     logit_dims = {p.logits.shape[1] for p in parts}
@@ -261,11 +339,25 @@ def merge_knowledge(parts: Sequence[ClassKnowledge], num_classes: int) -> ClassK
             feature_sums[part.class_ids] += n * part.features.astype(np.float64)
     present = np.flatnonzero(counts > 0)
     total = counts[present].astype(np.float64)[:, None]
+    logits = logit_sums[present] / total
+    features = feature_sums[present] / total if with_features else None
+    if rule != "mean":
+        for row, c in enumerate(present):
+            holders = [(p, np.flatnonzero(p.class_ids == c)) for p in parts]
+            rows = [(p, int(j[0])) for p, j in holders if j.size]
+            logits[row] = _robust_rows(
+                np.stack([p.logits[j].astype(np.float64) for p, j in rows]), rule, trim_fraction
+            )
+            if features is not None:
+                feats = [p.features[j] for p, j in rows if p.features is not None]
+                features[row] = _robust_rows(
+                    np.stack(feats).astype(np.float64), rule, trim_fraction
+                )
     return ClassKnowledge(
         class_ids=present.astype(np.int64),
         counts=counts[present],
-        logits=(logit_sums[present] / total).astype(np.float32),
-        features=(feature_sums[present] / total).astype(np.float32) if with_features else None,
+        logits=logits.astype(np.float32),
+        features=None if features is None else features.astype(np.float32),
     )
 
 

@@ -57,13 +57,14 @@ from strategies.felo.knowledge import (
     CLASS_TARGETS,
     KNOWLEDGE,
     ClassKnowledge,
+    bound_knowledge,
     check_knowledge_record,
     collect_knowledge,
     knowledge_to_record,
     merge_knowledge,
     record_to_knowledge,
 )
-from strategies.groups import GroupModels, fold_weights
+from strategies.groups import GroupModels, NonFiniteStateError, fold_weights
 from strategies.registry import Scheme, register_scheme
 from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
@@ -451,16 +452,60 @@ class FeloStrategy(HeteroStrategy):
         return fold_weights(self.models, reply) if self.felo.share_weights else reply
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Commit the group models (when shared), then the next round's class targets."""
+        """Bound and merge the class knowledge, make the targets, commit the group models.
+
+        Nothing changes unless everything is finite: non-finite targets or weights
+        raise :class:`~strategies.groups.NonFiniteStateError` (the round is skipped).
+        """
+        run = self.env.run
         extra: dict[str, Any] = {}
-        if self.felo.share_weights:
-            extra["group_sizes"] = self.models.commit()
-        parts = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in replies]
-        merged = merge_knowledge(parts, self.env.num_classes)
-        self.targets, target_metrics = self.make_targets(ctx.server_round, parts, merged)
+        received = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in replies]
+        parts, clips = bound_knowledge(received, run.clip_factor)
+        for i, kind, norm, bound in clips:
+            log.info(
+                "round %d: node %d's %s clipped from norm %.4g to %.4g (clip-factor %g)",
+                ctx.server_round,
+                replies[i].node_id,
+                kind,
+                norm,
+                bound,
+                run.clip_factor,
+            )
+        merged = merge_knowledge(
+            parts, self.env.num_classes, rule=run.knowledge_merge, trim_fraction=run.trim_fraction
+        )
+        saved = self.target_state()
+        try:
+            targets, target_metrics = self.make_targets(ctx.server_round, parts, merged)
+            bad = [
+                name
+                for name, values in (("logits", targets.logits), ("features", targets.features))
+                if values is not None and not bool(np.all(np.isfinite(values)))
+            ]
+            if bad:
+                raise NonFiniteStateError(f"the class targets' {' and '.join(bad)} are not finite")
+            if self.felo.share_weights:
+                extra["group_sizes"] = self.models.commit()
+                extra["clipped"] = self.models.last_clips
+        except (ValueError, ArithmeticError):
+            self.restore_target_state(saved)
+            self.models.discard()
+            raise
+        self.targets = targets
+        extra["knowledge_clipped"] = [
+            {"node": replies[i].node_id, "kind": kind, "norm": norm, "bound": bound}
+            for i, kind, norm, bound in clips
+        ]
         extra["knowledge_classes"] = merged.num_classes_present
         extra.update(target_metrics)
         return extra
+
+    def target_state(self) -> Any:
+        """Return what :meth:`make_targets` changes, to restore on refusal (Felo: nothing)."""
+        return None
+
+    def restore_target_state(self, saved: Any) -> None:
+        """Undo :meth:`make_targets` (see :meth:`target_state`)."""
 
     def discard(self, ctx: RoundContext) -> None:
         """Keep the previous group models and targets."""
@@ -571,6 +616,14 @@ class VeloStrategy(FeloStrategy):
             self.cvae.load_state_dict(
                 {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
             )
+
+    def target_state(self) -> Any:
+        """Return the feature bank and the CVAE, which :meth:`make_targets` replaces."""
+        return (list(self.feature_bank), self.cvae, self.cvae_classes, self.last_training)
+
+    def restore_target_state(self, saved: Any) -> None:
+        """Put back the feature bank and the CVAE of :meth:`target_state`."""
+        self.feature_bank, self.cvae, self.cvae_classes, self.last_training = saved
 
     def bank_arrays(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         """Return the CVAE's training set: features and labels within ``cvae-history``."""
