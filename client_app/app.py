@@ -31,6 +31,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app.attacks import with_attack
 from client_app.device import DeviceProfile, resolve_profile
 from strategies.client import (
     STATE_MODEL,
@@ -242,9 +243,16 @@ def handshake(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train the named architecture with the scheme's objective and report."""
+    """Train the named architecture with the scheme's objective and report.
+
+    A node the attack harness makes hostile (node-config ``attack``, or run-config
+    ``attack`` and ``attack-fraction`` in simulation) runs the scheme's client inside
+    :class:`client_app.attacks.AttackClient`.
+    """
     run = RunConfig.from_flower(context.run_config)
-    return train_round(msg, context, build_client(run, context.run_config))
+    node = NodeConfig.from_flower(context.node_config)
+    algorithm = with_attack(build_client(run, context.run_config), run, node)
+    return train_round(msg, context, algorithm)
 
 
 def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> Message:

@@ -17,6 +17,7 @@ Cost model (deliberately simple; order of magnitude is what matters):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -264,14 +265,23 @@ def estimate_round_seconds(c: CandidateCost, w: Workload, profile: DeviceProfile
     Returns
     -------
     float
-        Seconds.
+        Seconds; ``inf`` when the work is too large to represent.
+
+    Raises
+    ------
+    SelectionError
+        If ``profile.train_macs_per_second`` is not a positive finite number
+        (a :class:`DeviceProfile` built normally cannot have one).
     """
-    return (
-        TRAINING_MACS_FACTOR
-        * c.macs_per_sample
-        * w.samples_per_round
-        / profile.train_macs_per_second
-    )
+    rate = profile.train_macs_per_second
+    if not (math.isfinite(rate) and rate > 0):
+        raise SelectionError(
+            f"device profile {profile.name!r} has train_macs_per_second={rate!r}; "
+            "it must be a positive, finite MAC rate (re-probe the device or fix the "
+            "profile's 'train-macs-per-second')"
+        )
+    work = float(TRAINING_MACS_FACTOR) * float(c.macs_per_sample) * float(w.samples_per_round)
+    return work / rate
 
 
 def available_training_memory(profile: DeviceProfile) -> tuple[int, str]:
@@ -304,20 +314,42 @@ def _mib(n: float) -> str:
     return f"{n / (1024 * 1024):.1f} MiB"
 
 
+def _percent(fraction: float) -> str:
+    """Format a share; tiny shares keep their significant digits (not ``0%``)."""
+    return f"{fraction:.0%}" if fraction >= 0.01 else f"{fraction * 100:.2g}%"
+
+
+def _ratio(value: float, limit: float) -> str:
+    """Format ``value / limit`` as ``"2.50x"`` without dividing by zero."""
+    ratio = value / limit if limit > 0 else math.inf
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "beyond any multiple"
+
+
 def _violations(memory: int, limit: int, seconds: float, budget: Budget) -> list[str]:
-    """Describe each constraint a candidate breaks, with the excess."""
+    """Describe each constraint a candidate breaks, with the excess.
+
+    ``limit`` may be 0 (a tiny ``memory_fraction`` or a device with a few
+    bytes of memory): every candidate then breaks the memory constraint, and
+    the text says how to raise the budget instead of dividing by zero.
+    """
     failed = []
     if memory > limit:
+        excess = (
+            f"{_ratio(memory, limit)}"
+            if limit > 0
+            else "the budget rounds to 0 B: raise run-config 'memory-fraction' "
+            "or give the device more memory"
+        )
         failed.append(
             f"memory {_mib(memory)} exceeds the {_mib(limit)} budget "
-            f"by {_mib(memory - limit)} ({memory / limit:.2f}x)"
+            f"by {_mib(memory - limit)} ({excess})"
         )
     if seconds > budget.max_round_seconds:
         failed.append(
             f"time {seconds:.1f} s exceeds the "
             f"{budget.max_round_seconds:.1f} s budget "
             f"by {seconds - budget.max_round_seconds:.1f} s "
-            f"({seconds / budget.max_round_seconds:.2f}x)"
+            f"({_ratio(seconds, budget.max_round_seconds)})"
         )
     return failed
 
@@ -387,7 +419,7 @@ def choose_architecture(
         reason = (
             f"{candidate.name} is the largest of {len(candidates)} candidates "
             "within budget: "
-            f"memory {_mib(memory)} <= {_mib(limit)} ({budget.memory_fraction:.0%} of "
+            f"memory {_mib(memory)} <= {_mib(limit)} ({_percent(budget.memory_fraction)} of "
             f"{_mib(available)} {memory_label}), time {seconds:.1f} s <= "
             f"{budget.max_round_seconds:.1f} s"
         )
@@ -407,7 +439,7 @@ def choose_architecture(
     memory = estimate_training_memory(smallest, workload)
     seconds = estimate_round_seconds(smallest, workload, profile)
     reason = (
-        f"no candidate fits {budget.memory_fraction:.0%} of {_mib(available)} "
+        f"no candidate fits {_percent(budget.memory_fraction)} of {_mib(available)} "
         f"{memory_label} and {budget.max_round_seconds:.1f} s per round; "
         f"using the smallest, {smallest.name}: "
         + "; ".join(_violations(memory, limit, seconds, budget))

@@ -75,6 +75,7 @@ from strategies.validation import (
     validate_reply,
 )
 from tessera import wire
+from tessera.attacks import attack_assignment
 from tessera.config import ConfigError, RunConfig
 from tessera.data import ArrayDataset
 from tessera.results import TABLE_HEADER, ResultsWriter, format_round_row
@@ -458,10 +459,15 @@ class HeteroStrategy:
         (``global_accuracy`` is their mean, ``None`` when the scheme has none).
         """
         by_arch = self.evaluate_global()
-        return {
+        out: dict[str, Any] = {
             "global_accuracy": float(np.mean(list(by_arch.values()))) if by_arch else None,
             "global_accuracy_by_arch": by_arch,
         }
+        if "label-flip" in self.env.run.attack and by_arch:
+            success = self.evaluate_global(flipped=True)
+            out["attack_success_by_arch"] = success
+            out["attack_success"] = float(np.mean(list(success.values())))
+        return out
 
     def end_of_run(self, ctx: RoundContext) -> dict[str, Any]:
         """Finish the run after its last round; the result goes to ``summary.json``."""
@@ -825,22 +831,54 @@ class HeteroStrategy:
             "handshake_rejections": [
                 {"node": r.node_id, "reason": r.reason} for r in self._handshake_rejections
             ],
+            "attack": self._attack_document(),
+        }
+
+    def attack_plan(self) -> dict[int, str]:
+        """Hostile partitions and their attacks as the run config draws them (simulation).
+
+        Empty without run-config ``attack``; nodes made hostile by their node-config
+        alone are not known to the server.
+        """
+        if not self.env.run.attack or not self.nodes:
+            return {}
+        count = max([len(self.nodes)] + [i.partition_id + 1 for i in self.nodes.values()])
+        return attack_assignment(self.env.run, count)
+
+    def _attack_document(self) -> dict[str, Any] | None:
+        run = self.env.run
+        if not run.attack:
+            return None
+        return {
+            "attacks": list(run.attack),
+            "fraction": run.attack_fraction,
+            "partitions": {str(p): a for p, a in sorted(self.attack_plan().items())},
+            "lambda": run.attack_lambda,
+            "scale": run.attack_scale,
+            "noise": run.attack_noise,
         }
 
     # ------------------------------------------------------------ evaluation
-    def evaluate_global(self) -> dict[str, float]:
-        """Accuracy of every global model on the server's test set."""
+    def evaluate_global(self, *, flipped: bool = False) -> dict[str, float]:
+        """Accuracy of every global model on the server's test set.
+
+        With ``flipped``: the label-flip attack's success instead, the share of test
+        samples (those whose label the flip changes) predicted as ``C - 1 - y``.
+        """
         from tessera.training import evaluate_model
 
+        test = self.env.global_test
+        if flipped:
+            target = self.env.num_classes - 1 - test.y
+            changed = target != test.y
+            test = ArrayDataset(test.x[changed], target[changed].astype(np.int64))
         out: dict[str, float] = {}
         for arch, arrays in self.global_models().items():
             model = self.build_model(arch)
             model.load_state_dict(
                 {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}, strict=False
             )
-            _, acc = evaluate_model(
-                model, self.env.global_test, batch_size=256, device=torch.device("cpu")
-            )
+            _, acc = evaluate_model(model, test, batch_size=256, device=torch.device("cpu"))
             out[arch] = acc
         return out
 
@@ -881,6 +919,7 @@ class HeteroStrategy:
         seconds = time.monotonic() - ctx.started
         slowest = max((c["train_seconds"] for c in clients), default=0.0)
         partitions = {n: self.nodes[n].partition_id for n in ctx.assignment if n in self.nodes}
+        plan = self.attack_plan()
         return {
             "round": ctx.server_round,
             "strategy": self.name,
@@ -894,6 +933,11 @@ class HeteroStrategy:
             "num_failed": len(ctx.failures),
             "selected": sorted(ctx.assignment),
             "selected_partitions": sorted(partitions.values()),
+            "attackers": [
+                {"node": n, "partition_id": p, "attack": plan[p]}
+                for n, p in sorted(partitions.items())
+                if p in plan
+            ],
             "rejected": [{"node": r.node_id, "reason": r.reason} for r in ctx.rejected],
             "failed": [{"node": n, "reason": r} for n, r in sorted(ctx.failures.items())],
             "personal_accuracy_mean": mean,

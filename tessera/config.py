@@ -194,6 +194,13 @@ class RunConfig:
             key, the value and the fix.
         """
         r = ConfigReader(run_config, "run-config")
+        seed = r.get("seed", int, 42)
+        _require(
+            0 <= seed <= 2**32 - 1,
+            "seed",
+            seed,
+            "use an integer in [0, 2**32 - 1] (the range numpy and scikit-learn accept)",
+        )
         cfg = cls(
             strategy=r.get("strategy", str, "fedavg-groups"),
             num_server_rounds=r.get("num-server-rounds", int, 5),
@@ -203,7 +210,7 @@ class RunConfig:
             classes_per_client=r.get("classes-per-client", int, 2),
             server_pool_fraction=r.get("server-pool-fraction", float, 0.1),
             local_test_fraction=r.get("local-test-fraction", float, 0.2),
-            seed=r.get("seed", int, 42),
+            seed=seed,
             model_family=r.optional_str("model-family"),
             norm=r.get("norm", str, "batch"),
             local_epochs=r.get("local-epochs", int, 2),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,6 +72,11 @@ HF_ALIASES: Mapping[str, str] = {
 HF_IMAGE_COLUMNS = ("img", "image")
 HF_LABEL_COLUMNS = ("label", "fine_label", "labels")
 NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+NPZ_HOWTO = "save it with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)"
+NPY_MAGIC = b"\x93NUMPY"
+"""First bytes of a single-array ``.npy`` file (what ``np.save`` writes)."""
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
+"""First bytes of a zip archive (an ``.npz``) with entries, and of an empty one."""
 CHANNEL_COUNTS = (1, 3, 4)
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
@@ -436,7 +442,14 @@ def _as_labels(y: np.ndarray, *, what: str) -> IntArray:
             f"{what} have shape {y.shape}; labels must be one integer per sample, "
             "shape (N,) (for one-hot labels use y.argmax(axis=1))"
         )
+    int64_max = np.iinfo(np.int64).max
     if np.issubdtype(y.dtype, np.integer):
+        if y.dtype.kind == "u" and y.size and int(y.max()) > int64_max:
+            pos = int(np.argmax(y))
+            raise DataError(
+                f"{what}: label {int(y[pos])} at index {pos} is too large for a class "
+                "index; labels must be class indices 0, 1, 2, ..."
+            )
         labels = y.astype(np.int64)
     elif np.issubdtype(y.dtype, np.floating):
         bad = ~np.isfinite(y) | (y != np.round(y))
@@ -445,6 +458,13 @@ def _as_labels(y: np.ndarray, *, what: str) -> IntArray:
             raise DataError(
                 f"{what}: label {float(y[pos])!r} at index {pos} is not an integer; "
                 "labels must be whole class indices 0, 1, 2, ..."
+            )
+        huge = np.abs(y) > float(2**62)
+        if huge.any():
+            pos = int(np.argmax(huge))
+            raise DataError(
+                f"{what}: label {float(y[pos])!r} at index {pos} is too large for a "
+                "class index; labels must be class indices 0, 1, 2, ..."
             )
         labels = y.astype(np.int64)
     else:
@@ -473,7 +493,8 @@ def _as_samples(x: np.ndarray, *, what: str) -> FloatArray:
     if x.dtype == np.uint8:
         values = x.astype(np.float32) / np.float32(255.0)
     elif x.dtype.kind in "biuf":
-        values = x.astype(np.float32)
+        with np.errstate(over="ignore"):  # overflow to inf is reported below
+            values = x.astype(np.float32)
         if x.dtype.kind in "iu" and x.size and values.max() > 1.0:
             logger.warning(
                 "%s have integer dtype %s with values up to %s; only uint8 is "
@@ -506,16 +527,96 @@ def _as_samples(x: np.ndarray, *, what: str) -> FloatArray:
             f"{what} have shape {x.shape}; use (N, D) vectors, (N, H, W), "
             "(N, H, W, C) or (N, C, H, W) images"
         )
-    if not np.isfinite(values).all():
-        raise DataError(f"{what} contain NaN or infinite values; clean or impute them first")
+    finite = np.isfinite(values).reshape(values.shape[0], -1)
+    if not finite.all():
+        bad_rows = ~finite.all(axis=1)
+        pos = int(np.argmax(bad_rows))
+        value = values.reshape(values.shape[0], -1)[pos][~finite[pos]][0]
+        raise DataError(
+            f"{what} contain NaN or infinite values in {int(bad_rows.sum())} sample(s), "
+            f"the first is sample {pos} (value {float(value)}); clean or impute them "
+            "first (values beyond float32's range, about 3.4e38, also become infinite)"
+        )
     return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def _describe_labels(present: IntArray) -> str:
+    """Name a sorted set of distinct labels briefly: ``[1, 2, ..., 10] (10 distinct)``."""
+    values = [int(v) for v in present]
+    if len(values) <= 12:
+        return str(values)
+    shown = ", ".join(str(v) for v in values[:5])
+    return f"[{shown}, ..., {values[-1]}] ({len(values)} distinct)"
+
+
+def _first_missing(present: IntArray, limit: int = 5) -> list[int]:
+    """Return up to ``limit`` class indices in ``[0, present.max()]`` with no label."""
+    missing: list[int] = []
+    expected = 0
+    for value in (int(v) for v in present):
+        while expected < value and len(missing) < limit:
+            missing.append(expected)
+            expected += 1
+        if len(missing) >= limit:
+            break
+        expected = value + 1
+    return missing
+
+
+def _label_gap_message(present: IntArray, *, what: str) -> str | None:
+    """Explain why ``present`` (sorted distinct labels >= 0) is not ``0..C-1``.
+
+    Returns ``None`` when the labels are exactly ``0, 1, ..., C-1``.
+    """
+    num_classes = int(present[-1]) + 1
+    if present.size == num_classes:
+        return None
+    missing = _first_missing(present)
+    n_missing = num_classes - int(present.size)
+    missing_text = ", ".join(str(m) for m in missing) + (
+        ", ..." if n_missing > len(missing) else ""
+    )
+    message = (
+        f"{what}: the labels found are {_describe_labels(present)}, not the class "
+        f"indices 0..{num_classes - 1}: {n_missing} class(es) ({missing_text}) have no "
+        f"sample, so largest label + 1 would give {num_classes} classes"
+    )
+    offset = int(present[0])
+    if offset > 0 and present.size > 1 and int(present[-1]) - offset + 1 == present.size:
+        message += f" (the labels look {offset}-based: subtract {offset})"
+    return message
+
+
+def _check_labels_are_class_indices(y_train: IntArray, y_test: IntArray, *, name: str) -> int:
+    """Return the class count of a whole dataset whose labels must be ``0..C-1``.
+
+    Raises
+    ------
+    DataError
+        If the labels of both splits together skip a class index, e.g. labels
+        ``1..10`` (1-based) or ``{0, 5}``.
+    """
+    present = np.unique(np.concatenate([y_train, y_test]))
+    message = _label_gap_message(present, what=name)
+    if message is not None:
+        raise DataError(
+            f"{message}. Remap the labels to 0..{present.size - 1} over train and test "
+            "together, e.g. classes, y_all = np.unique(np.concatenate([y_train, "
+            "y_test]), return_inverse=True)"
+        )
+    return int(present.size)
 
 
 def _split_arrays(
     x_raw: np.ndarray, y_raw: np.ndarray, *, what: str
 ) -> tuple[FloatArray, IntArray]:
     """Convert one split's arrays and check they are non-empty and aligned."""
-    if x_raw.ndim == 0 or x_raw.shape[0] == 0:
+    if x_raw.ndim == 0:
+        raise DataError(
+            f"{what} samples are a scalar ({x_raw!r}), not an array of samples; "
+            "save x with shape (N, D) or (N, C, H, W)"
+        )
+    if x_raw.shape[0] == 0:
         raise DataError(
             f"{what} samples are empty (shape {x_raw.shape}); every split needs at least one sample"
         )
@@ -626,29 +727,71 @@ def _load_digits() -> DataBundle:
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """Read every array of an ``.npz`` file, with clear errors."""
+    """Read every array of an ``.npz`` file, with clear errors.
+
+    The file must be a zip of numeric ``.npy`` arrays (what ``np.savez``
+    writes); a single ``.npy`` array, a truncated archive, and object
+    (pickled) arrays are refused: arrays load with ``allow_pickle=False``.
+    """
+    shown = str(path)
     if not path.is_file():
         raise DataError(
-            f"data file {str(path)!r} does not exist or is not a file; check the "
+            f"data file {shown!r} does not exist or is not a file; check the "
             "path (npz:<path> and data-path are relative to the working directory)"
         )
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            if not hasattr(npz, "files"):
-                raise DataError(
-                    f"data file {str(path)!r} holds a single array, not an .npz "
-                    "archive; save it with np.savez(path, x_train=..., y_train=..., "
-                    "x_test=..., y_test=...)"
-                )
-            return {name: np.asarray(npz[name]) for name in npz.files}
-    except DataError:
-        raise
-    except (OSError, ValueError, EOFError) as exc:
+        with path.open("rb") as handle:
+            head = handle.read(len(NPY_MAGIC))
+    except OSError as exc:
         raise DataError(
-            f"data file {str(path)!r} is not a readable .npz archive of numeric "
-            f"arrays ({exc}); save it with np.savez(path, x_train=..., y_train=..., "
-            "x_test=..., y_test=...)"
+            f"data file {shown!r} cannot be read ({exc}); check its permissions"
         ) from exc
+    if head.startswith(NPY_MAGIC):
+        raise DataError(
+            f"data file {shown!r} holds a single .npy array (np.save), not an .npz "
+            f"archive of the named arrays {list(NPZ_ARRAYS)}; {NPZ_HOWTO}"
+        )
+    if not head.startswith(ZIP_MAGICS):
+        raise DataError(
+            f"data file {shown!r} is not a readable .npz archive: it starts with "
+            f"{head!r}, not the zip signature b'PK\\x03\\x04' of an .npz; {NPZ_HOWTO}"
+        )
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(
+            f"data file {shown!r} is not a readable .npz archive of numeric "
+            f"arrays ({exc}); {NPZ_HOWTO}"
+        ) from exc
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise DataError(
+            f"data file {shown!r} holds a single array, not an .npz archive; {NPZ_HOWTO}"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    with npz:
+        for name in npz.files:
+            try:
+                value = npz[name]
+            except ValueError as exc:
+                raise DataError(
+                    f"array {name!r} of data file {shown!r} cannot be loaded ({exc}); "
+                    "arrays must be numeric: Python objects (dtype=object) are refused "
+                    "because they would be unpickled. Save e.g. "
+                    "x_train=np.asarray(x, dtype=np.float32), "
+                    "y_train=np.asarray(y, dtype=np.int64)"
+                ) from exc
+            except (OSError, EOFError, zipfile.BadZipFile) as exc:
+                raise DataError(
+                    f"array {name!r} of data file {shown!r} is corrupt ({exc}); "
+                    f"write the file again: {NPZ_HOWTO}"
+                ) from exc
+            if not isinstance(value, np.ndarray):
+                raise DataError(
+                    f"member {name!r} of data file {shown!r} is not a .npy array "
+                    f"(the zip was not written by np.savez); {NPZ_HOWTO}"
+                )
+            arrays[name] = value
+    return arrays
 
 
 def _load_npz_bundle(path: Path, *, name: str) -> DataBundle:
@@ -685,7 +828,7 @@ def _bundle_from_arrays(
             "per-sample shape"
         )
     if num_classes is None:
-        num_classes = int(max(y_train.max(), y_test.max())) + 1
+        num_classes = _check_labels_are_class_indices(y_train, y_test, name=name)
     return DataBundle(
         train=ArrayDataset(x=x_train, y=y_train),
         test=ArrayDataset(x=x_test, y=y_test),
@@ -887,7 +1030,18 @@ def local_data(
     else:
         x_test, y_test = x_train[:0], y_train[:0]
     if num_classes is None:
-        num_classes = int(max(y_train.max(), y_test.max(initial=0))) + 1
+        # A node may hold only some of the federation's classes (non-IID), so
+        # gaps are allowed here; the federation's count is checked at handshake.
+        labels_found = np.unique(np.concatenate([y_train, y_test]))
+        num_classes = int(labels_found[-1]) + 1
+        gaps = _label_gap_message(labels_found, what=f"data file {path!r}")
+        if gaps is not None:
+            logger.warning(
+                "%s. Using %d classes; if the labels are not the federation's class "
+                "indices 0..C-1, remap them",
+                gaps,
+                num_classes,
+            )
     validate_labels(y_train, num_classes, what=f"{file.name} train labels")
     validate_labels(y_test, num_classes, what=f"{file.name} test labels")
     train = ArrayDataset(x=x_train, y=y_train)
