@@ -4,7 +4,9 @@ An :class:`AttackClient` wraps any scheme's :class:`~strategies.client.ClientAlg
 (it is a :class:`~strategies.client.ClientWrapper`), so every scheme can be evaluated
 against the same attacks, and its replies are built exactly as an honest node's are
 (the same records, the same Flower encoding). With ``w0`` the weights the node
-started the round from and ``w`` those it trained honestly:
+started the round from and ``w`` those it trained honestly (learned parameters only;
+batch-norm statistics are sent as trained, as a careful attacker would, since a
+negative running variance is rejected at validation):
 
 - ``label-flip``: trains on labels ``y -> C - 1 - y`` (its knowledge, for knowledge
   schemes, is computed on the flipped labels too);
@@ -171,7 +173,12 @@ class AttackClient(ClientWrapper):
         if kind == "backdoor":
             shuffled = self._shuffled_update(model, outcome)
         gen = self._generator()
+        # Learned parameters only: batch-norm statistics stay honest (a negative
+        # running variance would give the attacker away at validation).
+        params = {name for name, _ in model.named_parameters()}
         for key in _floating(trained):
+            if kind != "free-rider" and key not in params:
+                continue
             w, w0 = trained[key], start[key].to(trained[key].device)
             if kind == "boost":
                 out[key] = w0 + self.spec.scale * (w - w0)

@@ -5,6 +5,7 @@
 # Usage: scripts/deploy-local.sh --nodes N [--run-config "k=v ..."]
 #            [--profiles "cpu-small,cpu-large,jetson-orin"] [--insecure]
 #            [--workdir DIR] [--timeout SECONDS] [--resume]
+#            [--node-config "I:k=v ..."]...
 #
 #   --nodes N         number of SuperNodes; node i gets node-config
 #                     partition-id=i num-partitions=N device-profile=<profile>
@@ -18,6 +19,8 @@
 #   --workdir DIR     certificates, FLWR_HOME, SuperLink state and logs
 #                     (default <repo>/.deploy/<UTC time>-<pid>)
 #   --timeout SECONDS bound on the whole deployment (default 900)
+#   --node-config "I:k=v ..."  extra node-config for node I (repeatable), e.g.
+#                     "2:attack='boost'" makes node 2 hostile (the attack harness)
 #   --resume          continue the run of an earlier deployment in the same --workdir
 #                     and run-name: the SuperLink keeps its --database, the nodes their
 #                     state, and the ServerApp gets run-config resume=<results folder>
@@ -44,6 +47,13 @@ insecure=0
 workdir=""
 timeout_s=900
 resume=0
+declare -A extra_node_config=()
+add_node_config() { # "I:k=v ..."
+    local index="${1%%:*}" rest="${1#*:}"
+    case "$index" in '' | *[!0-9]*) die "--node-config needs I:k=v, got '$1'" ;; esac
+    [ "$rest" != "$1" ] || die "--node-config needs I:k=v, got '$1'"
+    extra_node_config[$index]="${extra_node_config[$index]:+${extra_node_config[$index]} }$rest"
+}
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) [ $# -ge 2 ] || die "--nodes needs a number"; nodes="$2"; shift 2 ;;
@@ -59,6 +69,8 @@ while [ $# -gt 0 ]; do
         --workdir=*) workdir="${1#*=}"; shift ;;
         --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; timeout_s="$2"; shift 2 ;;
         --timeout=*) timeout_s="${1#*=}"; shift ;;
+        --node-config) [ $# -ge 2 ] || die "--node-config needs I:k=v"; add_node_config "$2"; shift 2 ;;
+        --node-config=*) add_node_config "${1#*=}"; shift ;;
         -h | --help) usage; exit 0 ;;
         *) die "unknown argument '$1'; see --help" ;;
     esac
@@ -394,7 +406,7 @@ for ((i = 0; i < nodes; i++)); do
     start_group "$logs/supernode-$i.log" flower-supernode "${tls_supernode[@]}" \
         --superlink "127.0.0.1:$fleet_port" \
         --clientappio-api-address "127.0.0.1:$appio_port" \
-        --node-config "partition-id=$i num-partitions=$nodes device-profile='$profile' state-dir='$workdir/node-state/$i'"
+        --node-config "partition-id=$i num-partitions=$nodes device-profile='$profile' state-dir='$workdir/node-state/$i'${extra_node_config[$i]:+ ${extra_node_config[$i]}}"
 done
 
 # ------------------------------------------------------------- flwr connection

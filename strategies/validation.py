@@ -181,6 +181,11 @@ def check_arrays(record: ArrayRecord, expected: ArraySpec) -> str | dict[str, np
             )
         if np.issubdtype(value.dtype, np.floating) and not np.all(np.isfinite(value)):
             return f"array '{key}' has non-finite values"
+        if key.endswith("running_var") and value.size and float(value.min()) < 0:
+            return (
+                f"array '{key}' holds a negative variance ({float(value.min()):.4g}); "
+                "batch-norm running variances are never negative"
+            )
         out[key] = value
     return out
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from flwr.app import Array
 
 from client_app.attacks import AttackSpec, attack_for, flip_labels
 from server_app.app import build_server
@@ -418,3 +419,16 @@ def test_aggregation_errors_skip_the_round_instead_of_ending_the_run(
     assert server.rounds[0]["skipped"]
     assert "more than 4 updates" in server.rounds[0]["skip_reason"]
     assert isinstance(AggregationError("x"), ValueError)
+
+
+def test_a_negative_running_variance_is_rejected() -> None:
+    from flwr.app import ArrayRecord
+
+    from strategies.validation import check_arrays
+
+    spec = {"bn.running_var": ((2,), "float32")}
+    bad = ArrayRecord({"bn.running_var": Array(np.array([1.0, -6.0], np.float32))})
+    reason = check_arrays(bad, spec)
+    assert isinstance(reason, str) and "negative variance (-6)" in reason
+    good = ArrayRecord({"bn.running_var": Array(np.array([1.0, 0.0], np.float32))})
+    assert not isinstance(check_arrays(good, spec), str)

@@ -109,8 +109,10 @@ def _output(proc: subprocess.CompletedProcess[str] | subprocess.Popen[str], out:
 
 
 def test_deploy_local_tls_three_nodes(tmp_path: Path) -> None:
-    # Prepare
-    cmd = _command(tmp_path, _run_config(tmp_path))
+    # Prepare: node 2 is hostile (node-config attack='boost': its update x100); it
+    # shares cnn-5 with node 1, so the cohort bound applies to it
+    config = _run_config(tmp_path, "attack-scale=100.0")
+    cmd = [*_command(tmp_path, config), "--node-config", "2:attack='boost'"]
     result = tmp_path / "results" / "e2e"
     workdir = tmp_path / "deploy"
 
@@ -128,6 +130,15 @@ def test_deploy_local_tls_three_nodes(tmp_path: Path) -> None:
     archs = {c["arch"] for r in rounds for c in r["clients"]}
     assert len(archs) >= 2, f"every device chose the same architecture: {archs}"
     assert {c["profile"] for r in rounds for c in r["clients"]} == set(PROFILES)
+
+    # Assert: the attacking SuperNode took part, every round completed, and where it
+    # shared an architecture group its boosted update was clipped
+    clipped = []
+    for r in rounds:
+        assert not r["skipped"] and r["num_failed"] == 0, r
+        node_of = {c["partition_id"]: c["node"] for c in r["clients"]}
+        clipped += [c["distance"] / c["bound"] for c in r["clipped"] if c["node"] == node_of[2]]
+    assert clipped and max(clipped) > 10, [r["clipped"] for r in rounds]
     summary = json.loads((result / "summary.json").read_text())
     assert summary["rounds"] == 2
 
