@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -42,13 +42,16 @@ class Clip:
     ----------
     position : int
         Its place in the round's fold order (0-based).
+    kind : str
+        Which entries were clipped (:func:`entry_kind`).
     distance : float
-        Its L2 distance from the global model before clipping.
+        Their L2 distance from the global model before clipping.
     bound : float
-        The distance it was clipped to.
+        The distance they were clipped to.
     """
 
     position: int
+    kind: str
     distance: float
     bound: float
 
@@ -59,15 +62,16 @@ class AccumulatorReport:
 
     Attributes
     ----------
-    median_distance : float | None
-        Lower median of the positive L2 distances of the round's updates from the
-        global model (``None`` when the accumulator does not measure them); the next
-        round's clipping bound of ``mean`` is ``clip-factor`` times this.
+    medians : Mapping[str, float]
+        Per kind of entry (:func:`entry_kind`), the lower median of the positive L2
+        distances of the round's updates from the global model (empty when the
+        accumulator does not measure them); the next round's clipping bound of
+        ``mean`` is ``clip-factor`` times this.
     clips : tuple[Clip, ...]
         Updates that were scaled down.
     """
 
-    median_distance: float | None = None
+    medians: Mapping[str, float] = field(default_factory=dict)
     clips: tuple[Clip, ...] = ()
 
 
@@ -149,17 +153,31 @@ def lower_median(values: Sequence[float]) -> float:
     return float(ordered[(len(ordered) - 1) // 2])
 
 
-def update_distance(
+STATISTICS_SUFFIXES = ("running_mean", "running_var")
+"""Entries that are batch-norm statistics, not learned parameters."""
+
+
+def entry_kind(key: str) -> str:
+    """Return ``"statistics"`` for batch-norm running statistics, else ``"parameters"``.
+
+    The two are bounded separately: running statistics move by far more than the
+    learned parameters (a running variance of 1 can become 50 in one round), so a
+    single distance would be dominated by them and bound the parameters loosely.
+    """
+    return "statistics" if key.endswith(STATISTICS_SUFFIXES) else "parameters"
+
+
+def update_distances(
     update: Mapping[str, np.ndarray],
     reference: Mapping[str, np.ndarray],
     index: Mapping[str, Index | None],
-) -> float:
-    """L2 distance of an update's floating entries from the reference's matching values.
+) -> dict[str, float]:
+    """Per kind of entry, the L2 distance of an update's floating entries from the reference.
 
     An entry with an index is compared with the part of the reference it covers;
     integer entries (step counters) are left out.
     """
-    total = 0.0
+    totals: dict[str, float] = {}
     for key, value in update.items():
         ref = reference[key]
         if not np.issubdtype(ref.dtype, np.floating):
@@ -167,21 +185,26 @@ def update_distance(
         where = index.get(key)
         base = ref if where is None else ref[where]
         diff = value.astype(np.float64) - base.astype(np.float64)
-        total += float(np.vdot(diff, diff))
-    return math.sqrt(total)
+        kind = entry_kind(key)
+        totals[kind] = totals.get(kind, 0.0) + float(np.vdot(diff, diff))
+    return {kind: math.sqrt(total) for kind, total in totals.items()}
 
 
 def scale_update(
     update: Mapping[str, np.ndarray],
     reference: Mapping[str, np.ndarray],
     index: Mapping[str, Index | None],
-    factor: float,
+    factors: Mapping[str, float],
 ) -> dict[str, np.ndarray]:
-    """Return ``reference + factor * (update - reference)`` on the floating entries (float64)."""
+    """Return ``reference + factor * (update - reference)``, the factor per kind of entry.
+
+    Floating entries of a kind without a factor, and integer entries, are unchanged.
+    """
     out: dict[str, np.ndarray] = {}
     for key, value in update.items():
         ref = reference[key]
-        if not np.issubdtype(ref.dtype, np.floating):
+        factor = factors.get(entry_kind(key))
+        if factor is None or not np.issubdtype(ref.dtype, np.floating):
             out[key] = value
             continue
         where = index.get(key)
@@ -198,15 +221,16 @@ class MeanAccumulator:
 
     With ``clip_factor > 0`` every update's L2 distance from the reference (the
     current global weights) is clipped to ``clip_factor`` times the cohort's median
-    distance, so that no single node can move the model arbitrarily far:
+    distance, so that no single node can move the model arbitrarily far. Learned
+    parameters and batch-norm statistics are measured and bounded separately
+    (:func:`entry_kind`):
 
-    - when ``previous_distance`` (the lower median of the positive distances of this
-      model's last committed round) is known, the bound is ``clip_factor *
-      previous_distance`` and updates are clipped and folded as they arrive (memory:
-      one float64 accumulator per model);
+    - when ``previous`` (the lower medians of this model's last committed round) is
+      known, the bounds are ``clip_factor`` times them and updates are clipped and
+      folded as they arrive (memory: one float64 accumulator per model);
     - otherwise (the model's first round, or a round after which nothing moved) the
       round's updates are kept until :meth:`result`, which clips them against this
-      round's own median (memory: the round's updates, once).
+      round's own medians (memory: the round's updates, once).
 
     Parameters
     ----------
@@ -216,8 +240,8 @@ class MeanAccumulator:
     clip_factor : float
         Multiple of the cohort's median distance an update may move the model
         (``0`` switches the bound off).
-    previous_distance : float | None
-        The last round's median distance, or ``None``.
+    previous : Mapping[str, float] | None
+        The last round's median distance per kind of entry, or ``None``.
     """
 
     def __init__(
@@ -225,18 +249,18 @@ class MeanAccumulator:
         reference: Mapping[str, np.ndarray],
         *,
         clip_factor: float = 0.0,
-        previous_distance: float | None = None,
+        previous: Mapping[str, float] | None = None,
     ) -> None:
         self.reference = dict(reference)
         self.clip_factor = float(clip_factor)
-        self.bound: float | None = None
-        if self.clip_factor > 0 and previous_distance is not None and previous_distance > 0:
-            self.bound = self.clip_factor * float(previous_distance)
+        self.bounds: dict[str, float] | None = None
+        if self.clip_factor > 0 and previous and all(d > 0 for d in previous.values()):
+            self.bounds = {kind: self.clip_factor * float(d) for kind, d in previous.items()}
         self._sums: dict[str, np.ndarray] = {}
         self._weights: dict[str, np.ndarray | float] = {}
         self._count = 0
-        self._distances: list[float] = []
-        self._buffer: list[tuple[int, _Checked, float, float]] = []
+        self._distances: dict[str, list[float]] = {}
+        self._buffer: list[tuple[int, _Checked, float, dict[str, float]]] = []
         self._clips: list[Clip] = []
 
     @property
@@ -293,23 +317,39 @@ class MeanAccumulator:
         if self.clip_factor <= 0:
             self._fold(checked, w)
             return
-        values = {k: v for k, (v, _) in checked.items()}
-        where = {k: i for k, (_, i) in checked.items()}
-        distance = update_distance(values, self.reference, where)
-        if distance > 0:
-            self._distances.append(distance)
-        if self.bound is None:
-            self._buffer.append((position, checked, w, distance))
+        distances = self._measure(checked)
+        if self.bounds is None or any(k not in self.bounds for k in distances):
+            self._buffer.append((position, checked, w, distances))
             return
-        self._fold(self._clipped(position, checked, distance, self.bound), w)
+        self._fold(self._clipped(position, checked, distances, self.bounds), w)
 
-    def _clipped(self, position: int, checked: _Checked, distance: float, bound: float) -> _Checked:
-        if distance <= bound:
-            return checked
-        self._clips.append(Clip(position, distance, bound))
+    def _measure(self, checked: _Checked) -> dict[str, float]:
         values = {k: v for k, (v, _) in checked.items()}
         where = {k: i for k, (_, i) in checked.items()}
-        scaled = scale_update(values, self.reference, where, bound / distance)
+        distances = update_distances(values, self.reference, where)
+        for kind, distance in distances.items():
+            if distance > 0:
+                self._distances.setdefault(kind, []).append(distance)
+        return distances
+
+    def _clipped(
+        self,
+        position: int,
+        checked: _Checked,
+        distances: Mapping[str, float],
+        bounds: Mapping[str, float],
+    ) -> _Checked:
+        factors: dict[str, float] = {}
+        for kind, distance in distances.items():
+            bound = bounds.get(kind, 0.0)
+            if bound > 0 and distance > bound:
+                factors[kind] = bound / distance
+                self._clips.append(Clip(position, kind, distance, bound))
+        if not factors:
+            return checked
+        values = {k: v for k, (v, _) in checked.items()}
+        where = {k: i for k, (_, i) in checked.items()}
+        scaled = scale_update(values, self.reference, where, factors)
         return {k: (scaled[k], where[k]) for k in checked}
 
     def _fold(self, checked: _Checked, w: float) -> None:
@@ -337,12 +377,14 @@ class MeanAccumulator:
     def _flush(self) -> None:
         if not self._buffer:
             return
-        bound = self.clip_factor * lower_median(self._distances) if self._distances else 0.0
-        for position, checked, w, distance in self._buffer:
-            kept = self._clipped(position, checked, distance, bound) if bound > 0 else checked
-            self._fold(kept, w)
+        bounds = {
+            kind: self.clip_factor * lower_median(values)
+            for kind, values in self._distances.items()
+            if values
+        }
+        for position, checked, w, distances in self._buffer:
+            self._fold(self._clipped(position, checked, distances, bounds), w)
         self._buffer = []
-        self.bound = bound if bound > 0 else None
 
     def result(self) -> dict[str, np.ndarray]:
         """Return the per-entry weighted mean; uncovered entries keep the reference.
@@ -373,9 +415,9 @@ class MeanAccumulator:
         return out
 
     def report(self) -> AccumulatorReport:
-        """Return the round's median distance (when measured) and the clipped updates."""
-        median = lower_median(self._distances) if self._distances else None
-        return AccumulatorReport(median_distance=median, clips=tuple(self._clips))
+        """Return the round's median distances (when measured) and the clipped updates."""
+        medians = {kind: lower_median(v) for kind, v in sorted(self._distances.items()) if v}
+        return AccumulatorReport(medians=medians, clips=tuple(self._clips))
 
 
 @dataclass(frozen=True)
@@ -396,7 +438,7 @@ class MeanAggregator:
         return MeanAccumulator(
             reference,
             clip_factor=self.clip_factor,
-            previous_distance=None if previous is None else previous.median_distance,
+            previous=None if previous is None else previous.medians,
         )
 
 

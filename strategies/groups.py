@@ -120,11 +120,18 @@ class GroupModels:
             for clip in report.clips:
                 node = senders[clip.position] if clip.position < len(senders) else None
                 self.last_clips.append(
-                    {"node": node, "arch": arch, "distance": clip.distance, "bound": clip.bound}
+                    {
+                        "node": node,
+                        "arch": arch,
+                        "kind": clip.kind,
+                        "distance": clip.distance,
+                        "bound": clip.bound,
+                    }
                 )
                 log.info(
-                    "node %s: update of '%s' clipped from distance %.4g to %.4g (aggregator '%s')",
+                    "node %s: %s of '%s' clipped from distance %.4g to %.4g (aggregator '%s')",
                     node,
+                    clip.kind,
                     arch,
                     clip.distance,
                     clip.bound,
@@ -146,11 +153,7 @@ class GroupModels:
         """Return the global weights and each group's median distance, for a checkpoint."""
         return {
             "arrays": {arch: dict(arrays) for arch, arrays in self.arrays.items()},
-            "median_distance": {
-                arch: r.median_distance
-                for arch, r in self.reports.items()
-                if r.median_distance is not None
-            },
+            "medians": {arch: dict(r.medians) for arch, r in self.reports.items() if r.medians},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -161,8 +164,8 @@ class GroupModels:
             for arch, group in arrays.items()
         }
         self.reports = {
-            str(arch): AccumulatorReport(median_distance=float(d))
-            for arch, d in (state.get("median_distance", {}) if "arrays" in state else {}).items()
+            str(arch): AccumulatorReport(medians={str(k): float(d) for k, d in medians.items()})
+            for arch, medians in (state.get("medians", {}) if "arrays" in state else {}).items()
         }
         self._pending = {}
         self._senders = {}

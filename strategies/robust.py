@@ -37,7 +37,6 @@ from strategies.aggregators import (
     Index,
     MeanAccumulator,
     register_aggregator,
-    update_distance,
 )
 
 
@@ -218,14 +217,11 @@ class NormClipAccumulator(MeanAccumulator):
         if not np.isfinite(w) or w <= 0:
             raise AggregationError(f"weight {weight!r} must be finite and positive")
         checked = self._check(update, index)
-        values = {k: v for k, (v, _) in checked.items()}
-        where = {k: i for k, (_, i) in checked.items()}
-        distance = update_distance(values, self.reference, where)
-        if distance > 0:
-            self._distances.append(distance)
+        distances = self._measure(checked)
         position = self._count
         self._count += 1
-        self._fold(self._clipped(position, checked, distance, self.max_norm), w)
+        bounds = dict.fromkeys(distances, self.max_norm)
+        self._fold(self._clipped(position, checked, distances, bounds), w)
 
 
 # ------------------------------------------------------------------------ aggregators

@@ -58,20 +58,20 @@ def test_first_round_clips_against_its_own_median() -> None:
     result = acc.result()["w"]
     np.testing.assert_allclose(result, [(1.0 + 0.0 + 2 * 3.6) / 4, (0.0 + 2.0 + 2 * 4.8) / 4])
     report = acc.report()
-    assert report.median_distance == pytest.approx(2.0)
-    assert [(c.position, c.distance, c.bound) for c in report.clips] == [
-        (2, pytest.approx(100.0), pytest.approx(6.0))
+    assert report.medians == {"parameters": pytest.approx(2.0)}
+    assert [(c.position, c.kind, c.distance, c.bound) for c in report.clips] == [
+        (2, "parameters", pytest.approx(100.0), pytest.approx(6.0))
     ]
 
 
 def test_later_rounds_stream_against_the_previous_median() -> None:
     # previous median 0.5 -> bound 1.5; the update at distance 5 is scaled by 0.3
-    acc = MeanAccumulator(vec(1.0, 1.0), clip_factor=3.0, previous_distance=0.5)
+    acc = MeanAccumulator(vec(1.0, 1.0), clip_factor=3.0, previous={"parameters": 0.5})
     acc.add(vec(4.0, 5.0), 1.0)  # delta (3, 4) -> (0.9, 1.2)
     acc.add(vec(1.0, 2.0), 1.0)  # delta (0, 1), kept
     assert acc._buffer == []  # folded as they came
     np.testing.assert_allclose(acc.result()["w"], [(1.9 + 1.0) / 2, (2.2 + 2.0) / 2])
-    assert acc.report().median_distance == pytest.approx(1.0)  # lower median of 5 and 1
+    assert acc.report().medians["parameters"] == pytest.approx(1.0)  # lower median of 5, 1
 
 
 def test_clip_factor_zero_is_the_plain_weighted_mean() -> None:
@@ -93,7 +93,7 @@ def test_free_riders_do_not_zero_the_bound() -> None:
 def test_partial_updates_are_clipped_on_what_they_cover() -> None:
     ref = {"w": np.zeros((2, 2), np.float32)}
     index: dict[str, Index] = {"w": (slice(0, 1), slice(0, 2))}
-    acc = MeanAccumulator(ref, clip_factor=1.0, previous_distance=1.0)
+    acc = MeanAccumulator(ref, clip_factor=1.0, previous={"parameters": 1.0})
     acc.add({"w": np.array([[3.0, 4.0]], np.float32)}, 1.0, index=index)
     out = acc.result()["w"]
     np.testing.assert_allclose(out, [[0.6, 0.8], [0.0, 0.0]])
@@ -111,10 +111,10 @@ def test_group_models_carry_the_median_across_rounds_and_checkpoints() -> None:
     models.fold("a", vec(60.0, 80.0), 1.0, node=3)
     assert models.commit() == {"a": 3}
     assert [c["node"] for c in models.last_clips] == [3]
-    assert models.reports["a"].median_distance == pytest.approx(2.0)
+    assert models.reports["a"].medians == {"parameters": pytest.approx(2.0)}
     restored = GroupModels(models.aggregator, lambda arch: vec(0.0, 0.0))
     restored.load_state_dict(models.state_dict())
-    assert restored.reports["a"].median_distance == pytest.approx(2.0)
+    assert restored.reports["a"].medians == {"parameters": pytest.approx(2.0)}
     np.testing.assert_array_equal(restored.arrays["a"]["w"], models.arrays["a"]["w"])
 
 
@@ -356,11 +356,12 @@ def test_a_boosted_update_bounded_by_default(
     server.start(make_grid(config, 4), num_rounds=1, timeout=5.0)
     keys = [k for k, v in initial.items() if v.dtype.kind == "f"]
     moved = np.sqrt(sum(float(np.sum((server.global_arrays[k] - initial[k]) ** 2)) for k in keys))
-    median = server.models.reports["cnn-2"].median_distance
-    assert median is not None
-    assert moved <= 3.0 * median + 1e-6  # a mean of updates each within 3 medians
+    medians = server.models.reports["cnn-2"].medians
+    assert set(medians) == {"parameters", "statistics"}
+    bound = 3.0 * np.hypot(medians["parameters"], medians["statistics"])
+    assert moved <= bound + 1e-6  # a mean of updates each within 3 medians per kind
     (clip,) = server.rounds[0]["clipped"]
-    assert clip["distance"] > 100 * clip["bound"]
+    assert clip["kind"] == "parameters" and clip["distance"] > 100 * clip["bound"]
 
 
 def test_mean_without_bound_is_dragged(
@@ -432,3 +433,17 @@ def test_a_negative_running_variance_is_rejected() -> None:
     assert isinstance(reason, str) and "negative variance (-6)" in reason
     good = ArrayRecord({"bn.running_var": Array(np.array([1.0, 0.0], np.float32))})
     assert not isinstance(check_arrays(good, spec), str)
+
+
+def test_parameters_and_statistics_are_bounded_separately() -> None:
+    # statistics move by 10 per node, parameters by 0.1: a x100 parameter step is
+    # clipped against the parameters' median, not hidden under the statistics'
+    ref = {"w": np.zeros(1, np.float32), "bn.running_var": np.ones(1, np.float32)}
+    acc = MeanAccumulator(ref, clip_factor=2.0)
+    for w, var in ((0.1, 11.0), (0.1, 11.0), (10.0, 11.0)):
+        update = {"w": np.array([w], np.float32), "bn.running_var": np.array([var], np.float32)}
+        acc.add(update, 1.0)
+    out = acc.result()
+    np.testing.assert_allclose(out["w"], [(0.1 + 0.1 + 0.2) / 3], rtol=1e-6)
+    np.testing.assert_allclose(out["bn.running_var"], [11.0])
+    assert [c.kind for c in acc.report().clips] == ["parameters"]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from server_app.app import build_server
 from tessera.checkpoint import load_state
-from tests.conftest import simulate
+from tests.conftest import make_grid, simulate
 
 
 @pytest.mark.slow
@@ -76,3 +79,57 @@ def test_resume_in_simulation_runs_every_round_once_and_reaches_the_same_model(
             np.testing.assert_allclose(
                 got["group_models"][arch][key], value, rtol=0, atol=1e-6, err_msg=f"{arch}/{key}"
             )
+
+
+@pytest.mark.slow
+def test_one_hostile_node_in_four_is_bounded_in_real_simulation(
+    tmp_path: Path,
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    fast_clients: None,
+) -> None:
+    # Prepare: eight nodes, two of them hostile (one boosts its update x100, one
+    # flips its sign x100), drawn by the run config's seeded attack draw
+    base: dict[str, Any] = {
+        "strategy": "fedavg",
+        "fedavg-arch": "cnn-2",
+        "num-server-rounds": 5,
+        "local-epochs": 1,
+        "attack-fraction": 0.25,
+        "attack-scale": 100.0,
+    }
+    hostile = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in base.items())
+
+    def reference(extra: dict[str, Any], name: str) -> float:
+        """The same federation on the in-process grid (same handlers, split, seeds)."""
+        config = run_config(
+            {**base, **extra, "output-dir": str(tmp_path / name), "run-name": name}
+            | {"min-nodes": 8}
+        )
+        server = build_server(config, bundle=digits_bundle).runner
+        server.start(make_grid(config, 8), num_rounds=5, timeout=30.0)
+        accuracy: float = server.rounds[-1]["global_accuracy"]
+        return accuracy
+
+    # Execute: the attacked run in real simulation; the clean run, and the attacked
+    # run without the bound (clip-factor=0), as references
+    result = simulate(tmp_path, f"{hostile} attack='boost,sign-flip'", nodes=8)
+    clean_acc = reference({}, "clean")
+    undefended_acc = reference({"attack": "boost,sign-flip", "clip-factor": 0.0}, "undefended")
+
+    # Assert: every round ran with every node, the two attackers were bounded
+    rounds = [json.loads(line) for line in (result / "metrics.jsonl").read_text().splitlines()]
+    config = json.loads((result / "config.json").read_text())
+    plan = config["attack"]["partitions"]
+    assert sorted(plan.values()) == ["boost", "sign-flip"]
+    for r in rounds:
+        assert not r["skipped"] and r["num_failed"] == 0 and r["num_ok"] == 8, r
+        attackers = {a["node"] for a in r["attackers"]}
+        assert {a["partition_id"] for a in r["attackers"]} == {int(p) for p in plan}
+        assert attackers <= {c["node"] for c in r["clipped"]}, r["clipped"]
+    # Assert: without the bound the model is destroyed (chance level); with it the
+    # federation keeps learning, within reach of the clean run (measured here: 0.40
+    # against 0.65 after 5 rounds; see the README's robustness table)
+    attacked_acc = rounds[-1]["global_accuracy"]
+    assert undefended_acc <= 0.15, undefended_acc
+    assert attacked_acc >= 0.25 and attacked_acc >= clean_acc - 0.35, (attacked_acc, clean_acc)
