@@ -1,0 +1,433 @@
+"""Sub-model maths (strategies.submodel) against small tensors computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from strategies.aggregation import AggregationError
+from strategies.aggregators import MeanAccumulator
+from strategies.submodel import (
+    Layout,
+    SubModelError,
+    SubModelSpec,
+    coverage_average,
+    coverage_index,
+    extract,
+    graft,
+    layer_norms,
+    scalable_aggregate,
+    scaling_factors,
+    section_depths,
+    sub_channels,
+    sub_shape,
+    trimmed_norm,
+)
+
+LAYOUT = Layout(
+    keep_inputs=frozenset({"stem.weight"}),
+    keep_outputs=frozenset({"head.weight", "head.bias"}),
+)
+BLOCK = ("conv.weight", "dw.weight", "norm.weight", "norm.num_batches_tracked")
+
+
+def toy_global() -> dict[str, np.ndarray]:
+    """Stem 3->4, two sections of two blocks (conv 4->4, depthwise 4, norm 4), head 4->3."""
+    g: dict[str, np.ndarray] = {"stem.weight": np.arange(12, dtype=np.float32).reshape(4, 3, 1, 1)}
+    for s in range(2):
+        for b in range(2):
+            base = 100.0 * (s + 1) + 10.0 * b
+            g[f"sections.{s}.{b}.conv.weight"] = base + np.arange(16, dtype=np.float32).reshape(
+                4, 4, 1, 1
+            )
+            g[f"sections.{s}.{b}.dw.weight"] = base + np.arange(4, dtype=np.float32).reshape(
+                4, 1, 1, 1
+            )
+            g[f"sections.{s}.{b}.norm.weight"] = base + np.arange(4, dtype=np.float32)
+            g[f"sections.{s}.{b}.norm.num_batches_tracked"] = np.array(5 + s, np.int64)
+    g["head.weight"] = np.arange(12, dtype=np.float32).reshape(3, 4)
+    g["head.bias"] = np.arange(3, dtype=np.float32)
+    return g
+
+
+def random_global(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {k: rng.normal(size=v.shape).astype(v.dtype) for k, v in toy_global().items()}
+
+
+# --- SubModelSpec and Layout --------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [0, -0.5, 1.5, math.nan, math.inf, True, "0.5"])
+def test_spec_rejects_a_width_outside_zero_one(width: object) -> None:
+    with pytest.raises(ValueError, match=r"width must be a number in \(0, 1\]"):
+        SubModelSpec(width=width, depths=(1, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("depths", [(0, 2), (1, -1), (1.5, 2), (True, 2), "12", 3])
+def test_spec_rejects_depths_that_are_not_positive_counts(depths: object) -> None:
+    with pytest.raises(ValueError, match="depths"):
+        SubModelSpec(width=0.5, depths=depths)  # type: ignore[arg-type]
+
+
+def test_spec_is_frozen_and_normalised() -> None:
+    spec = SubModelSpec(width=1, depths=[1, 2])  # type: ignore[arg-type]
+    assert spec == SubModelSpec(1.0, (1, 2)) and isinstance(spec.width, float)
+    assert SubModelSpec.full((2, 2)) == SubModelSpec(1.0, (2, 2))
+    with pytest.raises(AttributeError):
+        spec.width = 0.5  # type: ignore[misc]
+
+
+def test_layout_rejects_a_bare_string_and_a_bad_min_depth() -> None:
+    with pytest.raises(ValueError, match="wrap it"):
+        Layout(keep_inputs="stem.weight")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_depth"):
+        Layout(min_depth=0)
+
+
+def test_section_depths_reads_the_keys_and_rejects_gaps() -> None:
+    assert section_depths(toy_global(), LAYOUT) == (2, 2)
+    assert section_depths(["stem.weight"], LAYOUT) == ()
+    with pytest.raises(SubModelError, match="blocks"):
+        section_depths(["sections.0.0.w", "sections.0.2.w"], LAYOUT)
+    with pytest.raises(SubModelError, match="not numbered"):
+        section_depths(["sections.1.0.w"], LAYOUT)
+    with pytest.raises(SubModelError, match="<section>"):
+        section_depths(["sections.conv.weight"], LAYOUT)
+
+
+# --- Channel counts -------------------------------------------------------------
+
+
+def test_sub_channels_is_the_ceiling_without_float_error() -> None:
+    assert sub_channels(4, 0.5) == 2
+    assert sub_channels(10, 0.3) == 3  # 0.3 * 10 = 3.0000000000000004 in floats
+    assert sub_channels(3, 0.25) == 1  # ceil(0.75)
+    assert sub_channels(5, 0.5) == 3  # ceil(2.5)
+    assert sub_channels(1, 0.1) == 1  # at least one channel
+    assert sub_channels(7, 1.0) == 7
+
+
+def test_sub_shape_reads_out_and_in_channels_from_the_rank() -> None:
+    assert sub_shape("c.weight", (4, 4, 3, 3), 0.5, LAYOUT) == (2, 2, 3, 3)  # conv
+    assert sub_shape("dw.weight", (4, 1, 3, 3), 0.5, LAYOUT) == (2, 1, 3, 3)  # depthwise
+    assert sub_shape("fc.weight", (6, 4), 0.5, LAYOUT) == (3, 2)  # linear
+    assert sub_shape("bn.bias", (4,), 0.5, LAYOUT) == (2,)  # vector
+    assert sub_shape("bn.num_batches_tracked", (), 0.5, LAYOUT) == ()  # scalar
+    assert sub_shape("stem.weight", (4, 3, 3, 3), 0.5, LAYOUT) == (2, 3, 3, 3)  # first layer
+    assert sub_shape("head.weight", (3, 4), 0.5, LAYOUT) == (3, 2)  # classifier
+    assert sub_shape("head.bias", (3,), 0.5, LAYOUT) == (3,)
+
+
+# --- extract (Algorithm 3) ----------------------------------------------------
+
+
+def test_extract_drops_last_blocks_then_slices_the_channel_prefix() -> None:
+    # Prepare
+    g = toy_global()
+
+    # Execute
+    sub, index = extract(g, SubModelSpec(0.5, (1, 2)), LAYOUT)
+
+    # Assert: sections.0.1 dropped, the rest kept in the global order
+    assert list(sub) == [k for k in g if not k.startswith("sections.0.1.")]
+    assert list(index) == list(sub)
+    np.testing.assert_array_equal(
+        sub["sections.0.0.conv.weight"][:, :, 0, 0], [[100, 101], [104, 105]]
+    )
+    np.testing.assert_array_equal(
+        sub["sections.1.1.conv.weight"][:, :, 0, 0], [[210, 211], [214, 215]]
+    )
+    assert sub["sections.1.0.dw.weight"].shape == (2, 1, 1, 1)
+    np.testing.assert_array_equal(sub["sections.1.0.norm.weight"], [200, 201])
+    assert int(sub["sections.1.0.norm.num_batches_tracked"]) == 6
+    np.testing.assert_array_equal(sub["stem.weight"][:, :, 0, 0], [[0, 1, 2], [3, 4, 5]])
+    np.testing.assert_array_equal(sub["head.weight"], [[0, 1], [4, 5], [8, 9]])
+    np.testing.assert_array_equal(sub["head.bias"], [0, 1, 2])
+    assert index["sections.0.0.conv.weight"] == (slice(0, 2), slice(0, 2), slice(0, 1), slice(0, 1))
+    assert index["head.weight"] == (slice(0, 3), slice(0, 2))
+    assert index["sections.0.0.norm.num_batches_tracked"] == ()
+    assert all(sub[k].dtype == g[k].dtype for k in sub)
+
+
+def test_extract_returns_copies() -> None:
+    g = toy_global()
+    sub, _ = extract(g, SubModelSpec(1.0, (2, 2)), LAYOUT)
+    sub["head.bias"][0] = 99.0
+    assert g["head.bias"][0] == 0.0
+
+
+def test_extract_index_is_what_the_accumulator_takes() -> None:
+    # A width-0.5 sub-model of all 7s folded alone: its prefix becomes 7, the rest stays.
+    g = toy_global()
+    sub, index = extract(g, SubModelSpec(0.5, (2, 2)), LAYOUT)
+    sevens = {k: np.full_like(v, 7) for k, v in sub.items()}
+    acc = MeanAccumulator(g)
+    acc.add(sevens, 1.0, index=index)
+    out = acc.result()
+    np.testing.assert_array_equal(out["head.bias"], [7, 7, 7])
+    np.testing.assert_array_equal(out["sections.0.0.norm.weight"], [7, 7, 102, 103])
+
+
+def test_extract_of_the_full_spec_is_the_identity() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        g = random_global(rng)
+        sub, index = extract(g, SubModelSpec.full((2, 2)), LAYOUT)
+        assert list(sub) == list(g)
+        for key, value in g.items():
+            np.testing.assert_array_equal(sub[key], value)
+            assert sub[key].dtype == value.dtype
+            assert value[index[key]].shape == value.shape
+
+
+def test_extract_follows_given_shapes() -> None:
+    # A family rounding channels: 3 of 4 kept, though ceil(0.5 * 4) = 2.
+    g = toy_global()
+    spec = SubModelSpec(0.5, (2, 1))
+    keys = [k for k in g if not k.startswith("sections.1.1.")]
+    shapes = {k: sub_shape(k, g[k].shape, 0.75, LAYOUT) for k in keys}
+    sub, index = extract(g, spec, LAYOUT, shapes=shapes)
+    assert sub["sections.0.0.conv.weight"].shape == (3, 3, 1, 1)
+    assert index["head.weight"] == (slice(0, 3), slice(0, 3))
+    with pytest.raises(SubModelError, match="missing"):
+        extract(g, spec, LAYOUT, shapes={k: shapes[k] for k in keys[1:]})
+    with pytest.raises(SubModelError, match="does not fit"):
+        extract(g, spec, LAYOUT, shapes={**shapes, "head.bias": (4,)})
+
+
+@pytest.mark.parametrize(
+    ("spec", "layout", "match"),
+    [
+        (SubModelSpec(0.5, (1,)), LAYOUT, "one count per section"),
+        (SubModelSpec(0.5, (3, 1)), LAYOUT, "keep at most 2"),
+        (SubModelSpec(0.5, (1, 2)), Layout(min_depth=2), "at least 2"),
+        (SubModelSpec(0.5, (2, 2)), Layout(keep_inputs=frozenset({"stem.w"})), "stem.w"),
+    ],
+)
+def test_extract_rejects_a_spec_that_does_not_fit(
+    spec: SubModelSpec, layout: Layout, match: str
+) -> None:
+    with pytest.raises(SubModelError, match=match):
+        extract(toy_global(), spec, layout)
+
+
+# --- graft (Algorithm 2) --------------------------------------------------------
+
+
+def test_graft_repeats_the_last_block_of_a_shallow_section() -> None:
+    # Prepare: width 0.5, section 0 keeps one block
+    g = toy_global()
+    sub, _ = extract(g, SubModelSpec(0.5, (1, 2)), LAYOUT)
+
+    # Execute
+    out = graft(sub, LAYOUT, (2, 2))
+
+    # Assert: sections.0.1 is a copy of sections.0.0, placed right after it
+    for rest in BLOCK:
+        np.testing.assert_array_equal(out[f"sections.0.1.{rest}"], sub[f"sections.0.0.{rest}"])
+    np.testing.assert_array_equal(
+        out["sections.0.1.conv.weight"][:, :, 0, 0], [[100, 101], [104, 105]]
+    )
+    assert list(out) == list(g)
+    assert out["sections.0.1.norm.weight"] is not out["sections.0.0.norm.weight"]
+    out["sections.0.1.norm.weight"][0] = -1.0
+    assert sub["sections.0.0.norm.weight"][0] == 100.0
+
+
+def test_graft_of_three_blocks_from_one() -> None:
+    layout = Layout(prefix="stages")
+    state = {"stages.0.0.w": np.array([1.0, 2.0]), "stages.1.0.w": np.array([3.0])}
+    out = graft(state, layout, (3, 1))
+    assert list(out) == ["stages.0.0.w", "stages.0.1.w", "stages.0.2.w", "stages.1.0.w"]
+    np.testing.assert_array_equal(out["stages.0.2.w"], [1.0, 2.0])
+
+
+def test_graft_of_a_full_depth_state_is_the_identity() -> None:
+    g = toy_global()
+    out = graft(g, LAYOUT, (2, 2))
+    assert list(out) == list(g)
+    for key, value in g.items():
+        np.testing.assert_array_equal(out[key], value)
+
+
+def test_graft_of_a_depth_one_extract_has_the_global_keys_and_shapes() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        g = random_global(rng)
+        out = graft(extract(g, SubModelSpec(1.0, (1, 1)), LAYOUT)[0], LAYOUT, (2, 2))
+        assert list(out) == list(g)
+        assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in g.items()}
+        # at width 0.5 it has the keys and shapes of the full-depth width-0.5 sub-model
+        half = graft(extract(g, SubModelSpec(0.5, (1, 1)), LAYOUT)[0], LAYOUT, (2, 2))
+        full_depth, _ = extract(g, SubModelSpec(0.5, (2, 2)), LAYOUT)
+        assert {k: v.shape for k, v in half.items()} == {k: v.shape for k, v in full_depth.items()}
+
+
+def test_graft_rejects_what_it_cannot_restore() -> None:
+    sub, _ = extract(toy_global(), SubModelSpec(0.5, (1, 2)), LAYOUT)
+    with pytest.raises(SubModelError, match="max_depths gives 1"):
+        graft(sub, LAYOUT, (2,))
+    with pytest.raises(SubModelError, match="more than the global 1"):
+        graft(sub, LAYOUT, (2, 1))
+    with pytest.raises(SubModelError, match="min_depth"):
+        graft(sub, Layout(min_depth=2), (2, 2))
+
+
+# --- Coverage averaging ---------------------------------------------------------
+
+
+def test_coverage_average_of_widths_half_and_full_by_hand() -> None:
+    # Prepare: client A (width 0.5, 1 example), client B (width 1, 3 examples)
+    g = {"v": np.array([10.0, 20.0, 30.0, 40.0]), "m": np.zeros((2, 2)), "u": np.array([9.0])}
+    a = {"v": np.array([1.0, 2.0]), "m": np.array([[4.0]])}
+    b = {"v": np.array([5.0, 6.0, 7.0, 8.0]), "m": np.array([[8.0, 2.0], [2.0, 2.0]])}
+
+    # Execute
+    out = coverage_average(g, [a, b], [1, 3])
+
+    # Assert: (1*1 + 3*5)/4 = 4, (1*2 + 3*6)/4 = 5, then B alone; "u" nobody covers
+    np.testing.assert_allclose(out["v"], [4.0, 5.0, 7.0, 8.0])
+    np.testing.assert_allclose(out["m"], [[(4.0 + 24.0) / 4, 2.0], [2.0, 2.0]])
+    np.testing.assert_array_equal(out["u"], [9.0])
+
+
+def test_coverage_average_is_uniform_by_default_and_takes_indices() -> None:
+    g = {"v": np.zeros(4)}
+    a = {"v": np.array([2.0, 2.0])}
+    b = {"v": np.array([4.0, 4.0])}
+    out = coverage_average(g, [a, b], indices=[{"v": (slice(0, 2),)}, {"v": (slice(1, 3),)}])
+    np.testing.assert_allclose(out["v"], [2.0, 3.0, 4.0, 0.0])
+
+
+def test_coverage_average_rejects_what_is_not_a_slice() -> None:
+    g = {"v": np.zeros(2)}
+    with pytest.raises(AggregationError, match="not a prefix"):
+        coverage_average(g, [{"v": np.zeros(3)}])
+    with pytest.raises(AggregationError, match="not in the global"):
+        coverage_average(g, [{"w": np.zeros(1)}])
+    with pytest.raises(AggregationError, match="give one per state"):
+        coverage_average(g, [{"v": np.zeros(2)}], [1, 2])
+    with pytest.raises(AggregationError, match="nothing to aggregate"):
+        coverage_average(g, [])
+    assert coverage_index(g, {"v": np.zeros(1)}) == {"v": (slice(0, 1),)}
+
+
+def test_graft_then_coverage_average_reaches_every_block() -> None:
+    # A depth-1 client's block 0 also averages into block 1 (complete aggregation).
+    g = toy_global()
+    shallow, _ = extract(g, SubModelSpec(1.0, (1, 2)), LAYOUT)
+    shallow = {k: np.zeros_like(v) for k, v in shallow.items()}
+    full, _ = extract(g, SubModelSpec(1.0, (2, 2)), LAYOUT)
+    out = coverage_average(g, [graft(shallow, LAYOUT, (2, 2)), full])
+    np.testing.assert_allclose(out["sections.0.1.norm.weight"], [55.0, 55.5, 56.0, 56.5])
+
+
+# --- Scalable aggregation -------------------------------------------------------
+
+
+def test_trimmed_norm_by_hand() -> None:
+    x = np.array([1.0, -2.0, 3.0, -4.0])
+    # |x| sorted 1 2 3 4: P95 = 3 + 0.85 * 1 = 3.85 -> keep 1, -2, 3
+    assert trimmed_norm(x) == pytest.approx(math.sqrt(14.0))
+    # x sorted -4 -2 1 3: P95 = 1 + 0.85 * 2 = 2.7 -> keep -4, -2, 1
+    assert trimmed_norm(x, trim="signed") == pytest.approx(math.sqrt(21.0))
+    # P2.5 = -4 + 0.075 * 2 = -3.85, P97.5 = 1 + 0.925 * 2 = 2.85 -> keep -2, 1
+    assert trimmed_norm(x, trim="central") == pytest.approx(math.sqrt(5.0))
+    assert trimmed_norm(x, percentile=100) == pytest.approx(math.sqrt(30.0))
+    assert trimmed_norm(np.full((2, 2), 3.0)) == pytest.approx(6.0)  # ties: all kept
+    assert trimmed_norm(np.zeros(0)) == 0.0
+    with pytest.raises(ValueError, match="percentile"):
+        trimmed_norm(x, percentile=0)
+    with pytest.raises(ValueError, match="trim"):
+        trimmed_norm(x, trim="median")  # type: ignore[arg-type]
+
+
+def test_scaling_factors_for_a_three_client_cohort_by_hand() -> None:
+    # layer w: norms 5, 10, 15 -> mean 10 -> 2, 1, 2/3
+    # layer b: only the first two -> mean 3 -> 3/2, 3/4; a zero norm -> 1
+    norms = [{"w": 5.0, "b": 2.0}, {"w": 10.0, "b": 4.0}, {"w": 15.0, "z": 0.0}]
+    factors = scaling_factors(norms)
+    assert factors[0] == pytest.approx({"w": 2.0, "b": 1.5})
+    assert factors[1] == pytest.approx({"w": 1.0, "b": 0.75})
+    assert factors[2] == pytest.approx({"w": 2.0 / 3.0, "z": 1.0})
+    with pytest.raises(AggregationError, match="norm"):
+        scaling_factors([{"w": math.nan}])
+
+
+def test_scalable_aggregation_of_updates_by_hand() -> None:
+    # Prepare: global 1s; updates A (width 0.5) [3, 4], B [6, 8, 0, 0], C [0, 0, 9, 12]
+    g = {"w": np.ones(4)}
+    a = {"w": np.array([4.0, 5.0])}
+    b = {"w": np.array([7.0, 9.0, 1.0, 1.0])}
+    c = {"w": np.array([1.0, 1.0, 10.0, 13.0])}
+    # norms 5, 10, 15 (percentile 100: every value) -> factors 2, 1, 2/3
+    assert [layer_norms(g, s, coverage_index(g, s), percentile=100) for s in (a, b, c)] == [
+        {"w": 5.0},
+        {"w": 10.0},
+        {"w": 15.0},
+    ]
+
+    # Execute: examples 1, 1, 2
+    out = scalable_aggregate(g, [a, b, c], [1, 1, 2], percentile=100)
+
+    # Assert: scaled updates [6, 8], [6, 8, 0, 0], [0, 0, 6, 8]; coverage [4, 4, 3, 3]
+    # -> 1 + [(6 + 6) / 4, (8 + 8) / 4, 2 * 6 / 3, 2 * 8 / 3]
+    np.testing.assert_allclose(out["w"], [4.0, 5.0, 5.0, 19.0 / 3.0])
+
+
+def test_scalable_aggregation_of_weights_by_hand_at_the_95th_percentile() -> None:
+    # Prepare: three full-width clients; the largest value of each is past the P95
+    g = {
+        "w": np.zeros(4),
+        "n.running_var": np.ones(2),
+        "n.num_batches_tracked": np.array(0, np.int64),
+    }
+    clients = [
+        {"w": np.array([0.0, 3.0, 4.0, 50.0]), "n.running_var": np.full(2, 1.0)},
+        {"w": np.array([0.0, 6.0, 8.0, 90.0]), "n.running_var": np.full(2, 3.0)},
+        {"w": np.array([0.0, 9.0, 12.0, 200.0]), "n.running_var": np.full(2, 2.0)},
+    ]
+    for client, steps in zip(clients, (1, 2, 6), strict=True):
+        client["n.num_batches_tracked"] = np.array(steps, np.int64)
+
+    # Execute
+    out = scalable_aggregate(g, clients, target="weights")
+
+    # Assert: trimmed norms 5, 10, 15 -> factors 2, 1, 2/3
+    # w: ([0, 6, 8, 100] + [0, 6, 8, 90] + [0, 6, 8, 400/3]) / 3
+    np.testing.assert_allclose(out["w"], [0.0, 6.0, 8.0, 970.0 / 9.0])
+    # statistics and counters are averaged, not scaled
+    np.testing.assert_allclose(out["n.running_var"], [2.0, 2.0])
+    assert int(out["n.num_batches_tracked"]) == 3
+
+
+def test_scalable_aggregation_keeps_an_untrained_global_only_for_updates() -> None:
+    # Every client returns its slice of the global unchanged, at widths 0.5 and 1.
+    g = toy_global()
+    half, _ = extract(g, SubModelSpec(0.5, (2, 2)), LAYOUT)
+    full, _ = extract(g, SubModelSpec(1.0, (2, 2)), LAYOUT)
+    out = scalable_aggregate(g, [half, full])
+    for key, value in g.items():
+        np.testing.assert_allclose(out[key], value)
+    moved = scalable_aggregate(g, [half, full], target="weights")
+    assert not np.allclose(moved["sections.0.0.conv.weight"], g["sections.0.0.conv.weight"])
+
+
+def test_scalable_aggregation_with_equal_norms_is_the_coverage_average() -> None:
+    g = {"w": np.zeros(2, np.float32)}
+    a = {"w": np.array([3.0, -4.0], np.float32)}
+    b = {"w": np.array([-4.0, 3.0], np.float32)}  # same trimmed norm as a
+    for target in ("updates", "weights"):
+        out = scalable_aggregate(g, [a, b], [1, 3], target=target)  # type: ignore[arg-type]
+        np.testing.assert_allclose(out["w"], coverage_average(g, [a, b], [1, 3])["w"])
+        assert out["w"].dtype == np.float32
+
+
+def test_scalable_aggregation_rejects_an_unknown_target() -> None:
+    g = {"w": np.zeros(2)}
+    with pytest.raises(ValueError, match="target"):
+        scalable_aggregate(g, [{"w": np.ones(2)}], target="gradients")  # type: ignore[arg-type]
+    with pytest.raises(AggregationError, match="nothing"):
+        scalable_aggregate(g, [])
