@@ -242,6 +242,9 @@ class MeanAccumulator:
         (``0`` switches the bound off).
     previous : Mapping[str, float] | None
         The last round's median distance per kind of entry, or ``None``.
+    max_distance : float | None
+        An absolute bound instead (``norm-clip``): every kind of entry of every
+        update is clipped to this L2 distance as it arrives.
     """
 
     def __init__(
@@ -250,9 +253,11 @@ class MeanAccumulator:
         *,
         clip_factor: float = 0.0,
         previous: Mapping[str, float] | None = None,
+        max_distance: float | None = None,
     ) -> None:
         self.reference = dict(reference)
         self.clip_factor = float(clip_factor)
+        self.max_distance = max_distance
         self.bounds: dict[str, float] | None = None
         if self.clip_factor > 0 and previous and all(d > 0 for d in previous.values()):
             self.bounds = {kind: self.clip_factor * float(d) for kind, d in previous.items()}
@@ -314,6 +319,11 @@ class MeanAccumulator:
         checked = self._check(update, index)
         position = self._count
         self._count += 1
+        if self.max_distance is not None:
+            distances = self._measure(checked)
+            bounds = dict.fromkeys(distances, self.max_distance)
+            self._fold(self._clipped(position, checked, distances, bounds), w)
+            return
         if self.clip_factor <= 0:
             self._fold(checked, w)
             return

@@ -185,43 +185,18 @@ class BufferedAccumulator:
 class NormClipAccumulator(MeanAccumulator):
     """Example-weighted mean of updates whose distance to the global model is clipped.
 
-    Partial updates (per-entry coverage) are measured and clipped on the part of the
-    global model they cover.
+    Learned parameters and batch-norm statistics are each clipped to ``max_norm``
+    (:func:`strategies.aggregators.entry_kind`); partial updates (per-entry coverage)
+    are measured and clipped on the part of the global model they cover.
     """
 
     def __init__(self, reference: Mapping[str, np.ndarray], max_norm: float) -> None:
-        super().__init__(reference)
-        self.max_norm = max_norm
+        super().__init__(reference, max_distance=max_norm)
 
     @property
     def clipped(self) -> int:
-        """Number of updates scaled down so far."""
+        """Number of clips so far (one per kind of entry scaled down)."""
         return len(self._clips)
-
-    def add(
-        self,
-        update: Mapping[str, np.ndarray],
-        weight: float,
-        *,
-        index: Mapping[str, Index] | None = None,
-    ) -> None:
-        """Clip ``update - reference`` to ``max_norm``, then fold it into the mean.
-
-        Raises
-        ------
-        AggregationError
-            If the weight is not positive or the update does not match the global
-            weights; nothing is added then.
-        """
-        w = float(weight)
-        if not np.isfinite(w) or w <= 0:
-            raise AggregationError(f"weight {weight!r} must be finite and positive")
-        checked = self._check(update, index)
-        distances = self._measure(checked)
-        position = self._count
-        self._count += 1
-        bounds = dict.fromkeys(distances, self.max_norm)
-        self._fold(self._clipped(position, checked, distances, bounds), w)
 
 
 # ------------------------------------------------------------------------ aggregators

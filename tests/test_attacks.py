@@ -334,10 +334,10 @@ def test_every_attack_against_every_scheme(
         assert "attack_success" in server.rounds[-1]
 
 
-def test_a_boosted_update_bounded_by_default(
-    run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
-) -> None:
-    # the default mean (clip-factor 3) keeps a x1000 update to 3 median distances
+def boosted_fedavg(
+    run_config: RunConfigFactory, digits_bundle: Any, tmp_path: Path, clip_factor: float
+) -> tuple[Any, float]:
+    """One fedavg round of four nodes, one boosting x1000; the server and how far it moved."""
     config = run_config(
         {
             **TINY_DIGITS,
@@ -347,6 +347,7 @@ def test_a_boosted_update_bounded_by_default(
             "attack": "boost",
             "attack-fraction": 0.25,
             "attack-scale": 1000.0,
+            "clip-factor": clip_factor,
             "output-dir": str(tmp_path),
             "run-name": "r",
         }
@@ -356,6 +357,14 @@ def test_a_boosted_update_bounded_by_default(
     server.start(make_grid(config, 4), num_rounds=1, timeout=5.0)
     keys = [k for k, v in initial.items() if v.dtype.kind == "f"]
     moved = np.sqrt(sum(float(np.sum((server.global_arrays[k] - initial[k]) ** 2)) for k in keys))
+    return server, float(moved)
+
+
+def test_a_boosted_update_is_bounded_by_default(
+    run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
+) -> None:
+    # the default mean (clip-factor 3) keeps a x1000 update to 3 median distances
+    server, moved = boosted_fedavg(run_config, digits_bundle, tmp_path, 3.0)
     medians = server.models.reports["cnn-2"].medians
     assert set(medians) == {"parameters", "statistics"}
     bound = 3.0 * np.hypot(medians["parameters"], medians["statistics"])
@@ -368,25 +377,7 @@ def test_mean_without_bound_is_dragged(
     run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
 ) -> None:
     # the same attack with clip-factor=0: the defence is what made the difference
-    config = run_config(
-        {
-            **TINY_DIGITS,
-            "strategy": "fedavg",
-            "fedavg-arch": "cnn-2",
-            "num-server-rounds": 1,
-            "attack": "boost",
-            "attack-fraction": 0.25,
-            "attack-scale": 1000.0,
-            "clip-factor": 0.0,
-            "output-dir": str(tmp_path),
-            "run-name": "r",
-        }
-    )
-    server = build_server(config, bundle=digits_bundle).runner
-    initial = server.initial_arrays("cnn-2")
-    server.start(make_grid(config, 4), num_rounds=1, timeout=5.0)
-    keys = [k for k, v in initial.items() if v.dtype.kind == "f"]
-    moved = np.sqrt(sum(float(np.sum((server.global_arrays[k] - initial[k]) ** 2)) for k in keys))
+    server, moved = boosted_fedavg(run_config, digits_bundle, tmp_path, 0.0)
     assert moved > 50.0
     assert server.rounds[0].get("clipped") == []
 
