@@ -759,7 +759,9 @@ class HeteroStrategy:
                     wire.CONFIG: ConfigRecord(
                         {
                             "server-round": 0,
-                            "simulation": is_simulation(grid),
+                            # an in-process stand-in (tessera.local_grid) says so
+                            "simulation": is_simulation(grid)
+                            or getattr(grid, "simulation", False) is True,
                             FEDERATION: self.federation,
                         }
                     )

@@ -1,30 +1,47 @@
 """Shared fixtures: the real run-config defaults, Flower contexts and a fake grid.
 
-The fake grid stands in for Flower's SuperLink: it delivers each message to an
-in-process ClientApp handler (the real ``client_app.app`` functions) and hands back
-the reply with the metadata Flower would set, so a strategy's round loop runs
-without a SuperLink, SuperNodes or Ray.
+The fake grid (:class:`tessera.local_grid.LocalGrid`, on the real ``client_app.app``
+handlers here) stands in for Flower's SuperLink: it delivers each message to an
+in-process ClientApp handler and hands back the reply with the metadata Flower would
+set, so a strategy's round loop runs without a SuperLink, SuperNodes or Ray. Like
+Flower's simulation grid, it makes clients emulate run-config ``sim-device-profiles``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tomllib
-from flwr.app import Array, Context, Error, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.serverapp import Grid
+from flwr.app import Array, Context, Message, RecordDict
+
+from tessera.local_grid import (
+    Handler,
+    LocalGrid,
+    ReplyHook,
+    instruction,
+    make_context,
+    node_contexts,
+    stamp_pushed,
+)
+
+__all__ = [
+    "TINY_DIGITS",
+    "FakeGrid",
+    "Handler",
+    "ReplyHook",
+    "client_handlers",
+    "instruction",
+    "make_context",
+    "make_grid",
+    "stamp_pushed",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-Handler = Callable[[Message, Context], Message]
-ReplyHook = Callable[[Message], Message | None]
 
 
 def load_default_run_config() -> dict[str, Any]:
@@ -55,35 +72,6 @@ def run_config(default_run_config: dict[str, Any]) -> Callable[..., dict[str, An
     return build
 
 
-def make_context(
-    node_id: int,
-    run_config: Mapping[str, Any],
-    node_config: Mapping[str, Any],
-) -> Context:
-    """A ClientApp context as a SuperNode would build it."""
-    return Context(
-        run_id=1,
-        node_id=node_id,
-        node_config=dict(node_config),
-        state=RecordDict(),
-        run_config=dict(run_config),
-    )
-
-
-def instruction(content: RecordDict, *, dst_node_id: int, message_type: str) -> Message:
-    """A server message after the SuperLink accepted it (ids set as Flower does)."""
-    msg = Message(content, dst_node_id=dst_node_id, message_type=message_type, ttl=60.0)
-    stamp_pushed(msg)
-    return msg
-
-
-def stamp_pushed(msg: Message) -> None:
-    """Set what ``InMemoryGrid.push_messages`` sets on an instruction message."""
-    msg.metadata.__dict__["_run_id"] = 1
-    msg.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
-    msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-
-
 def client_handlers() -> dict[str, Handler]:
     """The real ClientApp handlers by message type."""
     from client_app.app import evaluate, handshake, train
@@ -92,8 +80,8 @@ def client_handlers() -> dict[str, Handler]:
     return {wire.HANDSHAKE: handshake, "train": train, "evaluate": evaluate}
 
 
-class FakeGrid(Grid):
-    """A grid that routes every message to an in-process ClientApp handler.
+class FakeGrid(LocalGrid):
+    """A :class:`~tessera.local_grid.LocalGrid` on the real ClientApp handlers by default.
 
     Parameters
     ----------
@@ -101,17 +89,6 @@ class FakeGrid(Grid):
         One context per connected node (node id -> context).
     handlers : Mapping[str, Handler], optional
         Handler per message type; the real ClientApp handlers by default.
-
-    Attributes
-    ----------
-    silent : set[tuple[int, str]]
-        ``(node, message type)`` pairs that never get a reply.
-    tamper : dict[int, ReplyHook]
-        Per node, a function that may replace the node's train reply.
-    sent : list[Message]
-        Every pushed message, in order.
-    replies : list[Message]
-        Every reply handed to the server, in order (after tampering).
     """
 
     def __init__(
@@ -119,80 +96,7 @@ class FakeGrid(Grid):
         contexts: Mapping[int, Context],
         handlers: Mapping[str, Handler] | None = None,
     ) -> None:
-        self.contexts = dict(contexts)
-        self.handlers = dict(handlers) if handlers is not None else client_handlers()
-        self.silent: set[tuple[int, str]] = set()
-        self.tamper: dict[int, ReplyHook] = {}
-        self.sent: list[Message] = []
-        self.replies: list[Message] = []
-        self._inbox: dict[str, Message] = {}
-
-    # Grid interface ---------------------------------------------------------
-    @property
-    def run(self) -> Any:
-        return None
-
-    def set_run(self, run_id: int) -> None:
-        return None
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for msg in messages:
-            stamp_pushed(msg)
-            assert msg.metadata.reply_to_message_id == ""
-            assert msg.metadata.ttl > 0
-            self.sent.append(msg)
-            node = msg.metadata.dst_node_id
-            kind = msg.metadata.message_type
-            ids.append(msg.metadata.message_id)
-            if (node, kind) in self.silent or node not in self.contexts:
-                continue
-            reply = self._handle(msg)
-            if kind == "train" and node in self.tamper:
-                reply = self.tamper[node](reply) or reply
-            self._inbox[msg.metadata.message_id] = reply
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        out = [self._inbox.pop(mid) for mid in list(message_ids) if mid in self._inbox]
-        self.replies.extend(out)
-        return out
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return list(self.pull_messages(self.push_messages(messages)))
-
-    # helpers ----------------------------------------------------------------
-    def _handle(self, msg: Message) -> Message:
-        node = msg.metadata.dst_node_id
-        handler = self.handlers[msg.metadata.message_type]
-        try:
-            return handler(msg, self.contexts[node])
-        except Exception as err:
-            error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}")
-            return Message(error, reply_to=msg)
-
-    def replies_of(self, message_type: str) -> list[Message]:
-        """Replies of one message type, in arrival order."""
-        return [r for r in self.replies if r.metadata.message_type == message_type]
-
-    def sent_of(self, message_type: str) -> list[Message]:
-        """Pushed messages of one message type, in order."""
-        return [m for m in self.sent if m.metadata.message_type == message_type]
+        super().__init__(contexts, handlers if handlers is not None else client_handlers())
 
 
 def nan_first_float_array(reply: Message) -> Message:
@@ -288,23 +192,6 @@ def single_thread_torch() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _fake_grid_counts_as_simulation() -> Iterator[None]:
-    """Make the strategies treat FakeGrid like Flower's simulation grid.
-
-    Only in simulation do clients emulate run-config ``sim-device-profiles``
-    (``strategies.base.is_simulation``); the in-process FakeGrid stands in for it.
-    """
-    import strategies.base as base
-
-    real = base.is_simulation
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            base, "is_simulation", lambda grid: type(grid).__name__ == "FakeGrid" or real(grid)
-        )
-        yield
-
-
 def simulate(tmp_path: Path, run_config: str, *, nodes: int = 3) -> Path:
     """Run ``scripts/simulate.sh`` (real Flower simulation) and return the run's folder.
 
@@ -392,10 +279,4 @@ TINY_DIGITS = {
 
 def make_grid(config: Mapping[str, Any], num_nodes: int, *, first_node: int = 100) -> FakeGrid:
     """A fake grid of ``num_nodes`` real ClientApps, node ``first_node + i`` on partition i."""
-    contexts = {
-        first_node + i: make_context(
-            first_node + i, config, {"partition-id": i, "num-partitions": num_nodes}
-        )
-        for i in range(num_nodes)
-    }
-    return FakeGrid(contexts)
+    return FakeGrid(node_contexts(config, num_nodes, first_node=first_node))

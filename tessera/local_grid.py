@@ -1,0 +1,280 @@
+"""An in-process Grid that routes every message to the real ClientApp handlers.
+
+For tests and benchmarks: :class:`LocalGrid` stands in for Flower's SuperLink. It
+delivers each pushed message to an in-process handler (``client_app.app``'s
+``handshake``, ``train`` and ``evaluate``, passed in by the caller) and hands back the
+reply with the metadata Flower would set, so a strategy's round loop runs without a
+SuperLink, SuperNodes or Ray.
+
+The grid stands in for Flower's *simulation* grid: its :attr:`LocalGrid.simulation`
+flag tells the strategies (``strategies.base``) to let clients emulate run-config
+``sim-device-profiles``, as they do under ``flwr run`` in simulation.
+
+This module sits below the apps (it never imports ``client_app`` or ``server_app``):
+the handlers are injected. Callers above the apps build them, e.g.::
+
+    from client_app.app import evaluate, handshake, train
+    handlers = {wire.HANDSHAKE: handshake, "train": train, "evaluate": evaluate}
+    grid = make_grid(run_config, 10, handlers)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.typing import Run
+from flwr.serverapp import Grid
+
+__all__ = [
+    "Handler",
+    "LocalGrid",
+    "ReplyHook",
+    "instruction",
+    "make_context",
+    "make_grid",
+    "node_contexts",
+    "stamp_pushed",
+]
+
+Handler = Callable[[Message, Context], Message]
+"""A ClientApp handler: ``(message, context) -> reply``."""
+
+ReplyHook = Callable[[Message], Message | None]
+"""A function that may replace a reply (``None`` keeps it)."""
+
+
+def make_context(
+    node_id: int,
+    run_config: Mapping[str, Any],
+    node_config: Mapping[str, Any],
+) -> Context:
+    """Build a ClientApp context as a SuperNode would.
+
+    Parameters
+    ----------
+    node_id : int
+        The node's id.
+    run_config : Mapping[str, Any]
+        Flower's raw run config.
+    node_config : Mapping[str, Any]
+        The node config (``partition-id``, ``num-partitions``, ...).
+
+    Returns
+    -------
+    Context
+        A context of run 1 with an empty state.
+    """
+    return Context(
+        run_id=1,
+        node_id=node_id,
+        node_config=dict(node_config),
+        state=RecordDict(),
+        run_config=dict(run_config),
+    )
+
+
+def stamp_pushed(msg: Message) -> None:
+    """Set what ``InMemoryGrid.push_messages`` sets on an instruction message.
+
+    Parameters
+    ----------
+    msg : Message
+        The message, changed in place (run id, source node, message id).
+    """
+    msg.metadata.__dict__["_run_id"] = 1
+    msg.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+    msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+
+
+def instruction(content: RecordDict, *, dst_node_id: int, message_type: str) -> Message:
+    """Build a server message as it is after the SuperLink accepted it.
+
+    Parameters
+    ----------
+    content : RecordDict
+        The message content.
+    dst_node_id : int
+        Destination node.
+    message_type : str
+        Flower message type (``"train"``, ``"evaluate"``, ...).
+
+    Returns
+    -------
+    Message
+        The message, with the ids set as Flower sets them.
+    """
+    msg = Message(content, dst_node_id=dst_node_id, message_type=message_type, ttl=60.0)
+    stamp_pushed(msg)
+    return msg
+
+
+class LocalGrid(Grid):
+    """A grid that routes every message to an in-process ClientApp handler.
+
+    Parameters
+    ----------
+    contexts : Mapping[int, Context]
+        One context per connected node (node id -> context).
+    handlers : Mapping[str, Handler]
+        Handler per message type.
+
+    Attributes
+    ----------
+    simulation : bool
+        Class flag read by the strategies: this grid stands in for Flower's
+        simulation grid (clients emulate run-config ``sim-device-profiles``).
+    silent : set[tuple[int, str]]
+        ``(node, message type)`` pairs that never get a reply.
+    tamper : dict[int, ReplyHook]
+        Per node, a function that may replace the node's train reply.
+    sent : list[Message]
+        Every pushed message, in order.
+    replies : list[Message]
+        Every reply handed to the server, in order (after tampering).
+    """
+
+    simulation: ClassVar[bool] = True
+
+    def __init__(self, contexts: Mapping[int, Context], handlers: Mapping[str, Handler]) -> None:
+        self.contexts = dict(contexts)
+        self.handlers = dict(handlers)
+        self.silent: set[tuple[int, str]] = set()
+        self.tamper: dict[int, ReplyHook] = {}
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+        self._inbox: dict[str, Message] = {}
+
+    # Grid interface ---------------------------------------------------------
+    @property
+    def run(self) -> Any:
+        """No Flower run object (the grid runs in-process)."""
+        return None
+
+    def set_run(self, run: Run) -> None:
+        """Ignore the run (there is one)."""
+        return None
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Create a message as ``Grid.create_message`` does."""
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """Return the ids of the connected nodes."""
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Deliver each message to its node's handler now; keep the reply for pulling."""
+        ids = []
+        for msg in messages:
+            stamp_pushed(msg)
+            if msg.metadata.reply_to_message_id != "":
+                raise ValueError("an instruction message must not be a reply")
+            if not msg.metadata.ttl > 0:
+                raise ValueError("an instruction message needs a positive ttl")
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            kind = msg.metadata.message_type
+            ids.append(msg.metadata.message_id)
+            if (node, kind) in self.silent or node not in self.contexts:
+                continue
+            reply = self._handle(msg)
+            if kind == "train" and node in self.tamper:
+                reply = self.tamper[node](reply) or reply
+            self._inbox[msg.metadata.message_id] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Hand back the replies to these messages that are ready (once each)."""
+        out = [self._inbox.pop(mid) for mid in list(message_ids) if mid in self._inbox]
+        self.replies.extend(out)
+        return out
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push the messages and pull their replies."""
+        return list(self.pull_messages(self.push_messages(messages)))
+
+    # helpers ----------------------------------------------------------------
+    def _handle(self, msg: Message) -> Message:
+        node = msg.metadata.dst_node_id
+        handler = self.handlers[msg.metadata.message_type]
+        try:
+            return handler(msg, self.contexts[node])
+        except Exception as err:  # a raising ClientApp: Flower replies with an Error
+            error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}")
+            return Message(error, reply_to=msg)
+
+    def replies_of(self, message_type: str) -> list[Message]:
+        """Return the replies of one message type, in arrival order."""
+        return [r for r in self.replies if r.metadata.message_type == message_type]
+
+    def sent_of(self, message_type: str) -> list[Message]:
+        """Return the pushed messages of one message type, in order."""
+        return [m for m in self.sent if m.metadata.message_type == message_type]
+
+
+def node_contexts(
+    run_config: Mapping[str, Any], num_nodes: int, *, first_node: int = 100
+) -> dict[int, Context]:
+    """Contexts of ``num_nodes`` nodes, node ``first_node + i`` on partition i.
+
+    Parameters
+    ----------
+    run_config : Mapping[str, Any]
+        Flower's raw run config, shared by every node.
+    num_nodes : int
+        Number of nodes (and partitions).
+    first_node : int, optional
+        Id of the first node.
+
+    Returns
+    -------
+    dict[int, Context]
+        Node id -> context.
+    """
+    return {
+        first_node + i: make_context(
+            first_node + i, run_config, {"partition-id": i, "num-partitions": num_nodes}
+        )
+        for i in range(num_nodes)
+    }
+
+
+def make_grid(
+    run_config: Mapping[str, Any],
+    num_nodes: int,
+    handlers: Mapping[str, Handler],
+    *,
+    first_node: int = 100,
+) -> LocalGrid:
+    """Build a local grid of ``num_nodes`` ClientApps, node ``first_node + i`` on partition i.
+
+    Parameters
+    ----------
+    run_config : Mapping[str, Any]
+        Flower's raw run config, shared by every node.
+    num_nodes : int
+        Number of nodes (and partitions).
+    handlers : Mapping[str, Handler]
+        Handler per message type (the real ClientApp handlers).
+    first_node : int, optional
+        Id of the first node.
+
+    Returns
+    -------
+    LocalGrid
+        The grid.
+    """
+    return LocalGrid(node_contexts(run_config, num_nodes, first_node=first_node), handlers)

@@ -1,0 +1,159 @@
+"""``benchmarks/robustness.py`` on tiny sizes: the rows and tables it produces.
+
+No timing is asserted; the accuracy part runs real (tiny) federations on the local
+grid, the cost part real aggregators on small updates.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tessera.local_grid import LocalGrid, make_grid
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """The benchmark script, imported as a module."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_robustness", ROOT / "benchmarks" / "robustness.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cells_cover_the_clean_run_and_every_attack_per_scheme(bench: ModuleType) -> None:
+    # Execute
+    cells = bench.make_cells(
+        schemes=["fedavg", "felo"],
+        partitioners=["iid"],
+        seeds=[0, 1],
+        attacks=["boost", "noise"],
+        fractions=[0.1, 0.3],
+        aggregators=["mean", "krum"],
+    )
+
+    # Assert: felo has no krum; each (scheme, seed, aggregator) has 1 clean + 2 x 2 attacked
+    assert len(cells) == 2 * (2 + 1) * (1 + 2 * 2)
+    assert len({c.key for c in cells}) == len(cells)
+    assert {c.aggregator for c in cells if c.scheme == "felo"} == {"mean"}
+    assert sum(c.attack == "clean" for c in cells) == 2 * 3
+
+
+def test_run_configs_size_the_defences_to_the_attack(bench: ModuleType, tmp_path: Path) -> None:
+    # Prepare
+    attacked = bench.Cell("fedavg", "dirichlet", 0, "boost", 0.3, "multi-krum")
+    clean = bench.Cell("felo", "iid", 0, "clean", 0.0, "mean-unbounded")
+
+    # Execute
+    a = bench.cell_run_config(attacked, nodes=10, rounds=2, local_epochs=1, output_dir=tmp_path)
+    c = bench.cell_run_config(clean, nodes=10, rounds=2, local_epochs=1, output_dir=tmp_path)
+
+    # Assert
+    assert (a["aggregator"], a["krum-byzantine"], a["trim-fraction"]) == ("multi-krum", 3, 0.3)
+    assert (a["attack"], a["partitioner"], a["dirichlet-alpha"]) == ("boost", "dirichlet", 0.5)
+    assert (c["knowledge-merge"], c["clip-factor"], c["attack"]) == ("mean", 0.0, "")
+    assert c["aggregator"] == "mean"
+
+
+def test_the_local_grid_counts_as_simulation() -> None:
+    grid = make_grid({"seed": 0}, 2, {})
+    assert isinstance(grid, LocalGrid) and grid.simulation is True
+    assert sorted(grid.get_node_ids()) == [100, 101]
+
+
+def test_a_tiny_grid_writes_one_row_per_cell_and_resumes(
+    bench: ModuleType, digits_bundle: Any, tmp_path: Path
+) -> None:
+    # Prepare: 4 nodes, 1 round, 1 seed, 1 attack, 2 aggregators (+ the clean runs)
+    cells = bench.make_cells(
+        schemes=["fedavg"],
+        partitioners=["iid"],
+        seeds=[0],
+        attacks=["label-flip"],
+        fractions=[0.25],
+        aggregators=["mean", "median"],
+    )
+    jsonl = tmp_path / "cells.jsonl"
+    lines: list[str] = []
+
+    # Execute
+    rows = bench.run_grid(
+        cells,
+        nodes=4,
+        rounds=1,
+        local_epochs=1,
+        jsonl=jsonl,
+        bundle=digits_bundle,
+        log=lines.append,
+    )
+    again = bench.run_grid(
+        cells,
+        nodes=4,
+        rounds=1,
+        local_epochs=1,
+        jsonl=jsonl,
+        bundle=digits_bundle,
+        log=lines.append,
+    )
+    table = bench.accuracy_tables(rows)
+
+    # Assert
+    assert [r["key"] for r in rows] == [c.key for c in cells] and len(rows) == 4
+    assert len(jsonl.read_text().splitlines()) == 4  # the second call ran nothing
+    assert again == [json.loads(line) for line in jsonl.read_text().splitlines()]
+    for row in rows:
+        assert row["rounds"] == row["rounds_run"] == 1 and row["stopped"] is None
+        assert row["failed"] == 0 and row["skipped_rounds"] == 0
+        assert 0.0 <= row["global_accuracy"] <= 1.0
+        assert row["attackers"] == ([] if row["attack"] == "clean" else [row["attackers"][0]])
+    assert all(r["attack_success"] is not None for r in rows if r["attack"] == "label-flip")
+    assert "| attack \\ aggregator | mean | median |" in table
+    body = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [line.split(" | ")[0] for line in body] == [
+        "| clean",
+        "| label-flip 25 %",
+        "| label-flip 25 %: attack success",
+    ]
+
+
+def test_a_stopped_run_is_marked_in_the_table(bench: ModuleType) -> None:
+    # Prepare: two seeds of one cell, one of which stopped (every client diverged)
+    base = {"scheme": "felo", "partitioner": "iid", "attack": "boost", "fraction": 0.1}
+    base |= {"aggregator": "mean-unbounded", "nodes": 4, "rounds": 2, "local_epochs": 1}
+    rows = [
+        {**base, "seed": 0, "honest_accuracy": 0.5, "stopped": None},
+        {**base, "seed": 1, "honest_accuracy": None, "stopped": "3 rounds in a row"},
+    ]
+
+    # Execute
+    table = bench.accuracy_tables(rows)
+
+    # Assert
+    assert "| boost 10 % | 50.0 ± 0.0 †1 |" in table
+    assert "†k: in k seeds the run stopped early" in table
+
+
+def test_cost_rows_compare_every_aggregator_with_mean(bench: ModuleType) -> None:
+    # Execute
+    rows = bench.cost_rows(updates=12, params=2_000, repeats=2, log=lambda line: None)
+    table = bench.cost_table(rows)
+
+    # Assert
+    assert [r["aggregator"] for r in rows] == list(bench.COST_AGGREGATORS)
+    assert rows[0]["aggregator"] == "mean" and rows[0]["ratio"] == pytest.approx(1.0)
+    for row in rows:
+        assert set(row) >= {"seconds", "ratio", "peak_mib", "seconds_all"}
+        assert len(row["seconds_all"]) == 2 and row["peak_mib"] >= 0
+    assert table.count("\n| ") == len(rows) + 1  # header + one line per aggregator
