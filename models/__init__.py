@@ -7,6 +7,12 @@ Importing this package registers every family (``cnn``, ``mlp``, ``mobilenetv2``
 :func:`get_model` and enumerate them with :func:`list_models`. torchvision is only
 imported when a ``tv-*`` model is built.
 
+The sectioned families (``preresnet``, ``mobilenetv2``) can be sliced by width and
+depth: :func:`build_submodel` builds any :class:`~strategies.submodel.SubModelSpec`
+of a registered model's config (``model_entry(name).config``), and
+:func:`family_layout` returns the :class:`~strategies.submodel.Layout` that
+extraction and grafting use (:mod:`models.slicing`).
+
 Examples
 --------
 >>> from models import get_model, list_models
@@ -26,7 +32,12 @@ from models.base import (
 )
 from models.cnn import CNN, CNNConfig
 from models.mlp import MLP
-from models.mobilenetv2 import InvertedResidualSetting, MobileNetV2, MobileNetV2Config
+from models.mobilenetv2 import (
+    BlockPlan,
+    InvertedResidualSetting,
+    MobileNetV2,
+    MobileNetV2Config,
+)
 from models.norm import NormFactory, get_norm, list_norms
 from models.preresnet import PreResNet, PreResNetConfig
 from models.registry import (
@@ -39,11 +50,19 @@ from models.registry import (
     register_model,
 )
 from models.resnet import ResNet, ResNetConfig
+from models.slicing import (
+    SectionedConfig,
+    build_submodel,
+    family_layout,
+    full_spec,
+    global_config,
+)
 from models.tv import TorchvisionModel
 
 __all__ = [
     "CNN",
     "MLP",
+    "BlockPlan",
     "CNNConfig",
     "InvertedResidualSetting",
     "MobileNetV2",
@@ -55,14 +74,19 @@ __all__ = [
     "PreResNetConfig",
     "ResNet",
     "ResNetConfig",
+    "SectionedConfig",
     "TesseraModel",
     "TorchvisionModel",
+    "build_submodel",
     "cnn",
     "count_activations",
     "count_macs",
     "count_parameters",
+    "family_layout",
+    "full_spec",
     "get_model",
     "get_norm",
+    "global_config",
     "image_shape",
     "list_families",
     "list_models",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["conv1x1", "conv3x3", "init_conv_weights", "make_divisible"]
+from models.spec import sub_channels
+
+__all__ = ["conv1x1", "conv3x3", "init_conv_weights", "make_divisible", "slice_channels"]
 
 
 def make_divisible(value: float, divisor: int = 8, min_value: int | None = None) -> int:
@@ -41,6 +43,30 @@ def make_divisible(value: float, divisor: int = 8, min_value: int | None = None)
     if rounded < 0.9 * value:
         rounded += divisor
     return rounded
+
+
+def slice_channels(channels: int, width: float) -> int:
+    """Return the channels a sub-model of width ratio ``width`` keeps of ``channels``.
+
+    The rule of :func:`models.spec.sub_channels` (``ceil(width *
+    channels)``, at least 1), so that a slice built here has exactly the shapes that
+    :func:`strategies.submodel.extract` cuts out of the global model. No
+    ``make_divisible`` rounding: the global model's channels may be rounded, a
+    slice's are a prefix of them.
+
+    Parameters
+    ----------
+    channels : int
+        The global model's channel count, at least 1.
+    width : float
+        Width ratio in ``(0, 1]``.
+
+    Returns
+    -------
+    int
+        The sub-model's channel count.
+    """
+    return sub_channels(channels, width)
 
 
 def conv3x3(in_channels: int, out_channels: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:

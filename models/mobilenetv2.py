@@ -15,23 +15,36 @@ the last 1x1 convolution (1280-d for ``width_mult <= 1``).
 
 Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
 :class:`models.base.ImageAdapter`.
+
+State-dict layout: the stem under ``stem.`` (``stem.0`` convolution, ``stem.1``
+norm), block ``b`` of section ``s`` under ``sections.{s}.{b}.block.``, the last 1x1
+convolution and its norm under ``final.0.`` and ``final.1.``, the classifier
+``head``. Dropping a block leaves every other key as it is. A config is sliceable
+(:mod:`models.slicing`): :meth:`MobileNetV2Config.sliced` keeps each section's
+first blocks and ``ceil(width * c)`` of every channel count ``c`` of the global
+model (hidden layers included); a block keeps the global block's expansion and
+residual connection. A section's first block changes the channels (and often the
+stride), so slices keep at least two blocks per section.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, NamedTuple
 
 from torch import Tensor, nn
 
 from models.base import ImageAdapter, TesseraModel
-from models.layers import conv1x1, conv3x3, init_conv_weights, make_divisible
+from models.layers import conv1x1, conv3x3, init_conv_weights, make_divisible, slice_channels
 from models.norm import NormFactory, batch_norm
-from models.registry import register_model
+from models.registry import ModelBuilder, register_model
+from models.slicing import check_slice
 
 __all__ = [
     "CIFAR_INVERTED_RESIDUAL_SETTINGS",
+    "MOBILENETV2_VARIANTS",
+    "BlockPlan",
     "InvertedResidual",
     "InvertedResidualSetting",
     "MobileNetV2",
@@ -72,6 +85,33 @@ CIFAR_INVERTED_RESIDUAL_SETTINGS: Final[tuple[InvertedResidualSetting, ...]] = (
 """MobileNetV2's table with CIFAR strides."""
 
 
+class BlockPlan(NamedTuple):
+    """Channels and structure of one inverted-residual block, resolved from a config.
+
+    Attributes
+    ----------
+    in_channels : int
+        Input channels.
+    hidden_channels : int
+        Channels of the expanded (depthwise) layer; ``in_channels`` without expansion.
+    out_channels : int
+        Output channels.
+    stride : int
+        Stride of the depthwise convolution.
+    expand : bool
+        Whether the block starts with a 1x1 expansion (expansion ratio other than 1).
+    residual : bool
+        Whether the input is added to the output (the global block's shapes agree).
+    """
+
+    in_channels: int
+    hidden_channels: int
+    out_channels: int
+    stride: int
+    expand: bool
+    residual: bool
+
+
 @dataclass(frozen=True)
 class MobileNetV2Config:
     """Architecture of a :class:`MobileNetV2`.
@@ -92,6 +132,10 @@ class MobileNetV2Config:
         Stride of the stem, 1 for CIFAR-style inputs.
     round_nearest : int
         Channel counts are rounded to multiples of this.
+    slice_width : float
+        For a sub-model (:meth:`sliced`), the share of the global model's channels
+        kept: ``ceil(slice_width * c)`` of every channel count ``c``, with no
+        rounding to ``round_nearest``; 1 for a global model.
     """
 
     width_mult: float = 1.0
@@ -101,6 +145,7 @@ class MobileNetV2Config:
     last_channels: int = 1280
     stem_stride: int = 1
     round_nearest: int = 8
+    slice_width: float = 1.0
 
     def __post_init__(self) -> None:
         """Validate the table."""
@@ -123,6 +168,10 @@ class MobileNetV2Config:
             value = getattr(self, field)
             if value < 1:
                 raise ValueError(f"MobileNetV2Config.{field} must be >= 1, got {value}.")
+        if not 0 < self.slice_width <= 1:
+            raise ValueError(
+                f"MobileNetV2Config.slice_width must be in (0, 1], got {self.slice_width}."
+            )
 
     @property
     def section_depths(self) -> tuple[int, ...]:
@@ -147,9 +196,105 @@ class MobileNetV2Config:
         return make_divisible(base * self.width_mult, self.round_nearest)
 
     @property
+    def global_feature_dim(self) -> int:
+        """Channels of the global model's last convolution."""
+        return make_divisible(self.last_channels * max(1.0, self.width_mult), self.round_nearest)
+
+    @property
     def feature_dim(self) -> int:
         """Channels of the last convolution, the size of the representation."""
-        return make_divisible(self.last_channels * max(1.0, self.width_mult), self.round_nearest)
+        return slice_channels(self.global_feature_dim, self.slice_width)
+
+    @property
+    def stem_width(self) -> int:
+        """Output channels of the stem convolution."""
+        return slice_channels(self.channels(self.stem_channels), self.slice_width)
+
+    def block_plans(self) -> tuple[tuple[BlockPlan, ...], ...]:
+        """Return every block's channels and structure, section by section.
+
+        Channels are the global model's (multiplier, rounding), then sliced by
+        ``slice_width``; stride, expansion and the residual connection are the
+        global block's.
+
+        Returns
+        -------
+        tuple[tuple[BlockPlan, ...], ...]
+            One tuple of :class:`BlockPlan` per section, ``section_depths[s]`` long.
+        """
+        width = self.slice_width
+        global_in = self.channels(self.stem_channels)
+        plans = []
+        for setting, depth in zip(self.settings, self.section_depths, strict=True):
+            global_out = self.channels(setting.channels)
+            section = []
+            for block in range(depth):
+                stride = setting.stride if block == 0 else 1
+                section.append(
+                    BlockPlan(
+                        in_channels=slice_channels(global_in, width),
+                        hidden_channels=slice_channels(global_in * setting.expand_ratio, width),
+                        out_channels=slice_channels(global_out, width),
+                        stride=stride,
+                        expand=setting.expand_ratio != 1,
+                        residual=stride == 1 and global_in == global_out,
+                    )
+                )
+                global_in = global_out
+            plans.append(tuple(section))
+        return tuple(plans)
+
+    @property
+    def min_section_depth(self) -> int:
+        """Fewest blocks a slice keeps per section: 2 when a section's first block differs.
+
+        A first block differs from the others when it changes the channels or the
+        stride (true of every section of the CIFAR table).
+        """
+        global_in = self.channels(self.stem_channels)
+        for setting in self.settings:
+            global_out = self.channels(setting.channels)
+            if setting.stride != 1 or global_in != global_out:
+                return 2
+            global_in = global_out
+        return 1
+
+    @property
+    def stem_key(self) -> str:
+        """State-dict key of the stem convolution's weight."""
+        return "stem.0.weight"
+
+    def sliced(self, width: float, depths: Sequence[int]) -> MobileNetV2Config:
+        """Return the config of a sub-model of this global model.
+
+        Parameters
+        ----------
+        width : float
+            Share of every channel count kept, in ``(0, 1]``.
+        depths : Sequence[int]
+            Blocks kept per section (the first ones), at least
+            :attr:`min_section_depth` (or the section's depth if smaller).
+
+        Returns
+        -------
+        MobileNetV2Config
+            The slice: ``depths=depths``, ``slice_width=width``.
+
+        Raises
+        ------
+        ValueError
+            If this config is already a slice or the slice does not fit it.
+        """
+        width, kept = check_slice(self, width, depths)
+        return replace(self, depths=kept, slice_width=width)
+
+    def build(
+        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+    ) -> MobileNetV2:
+        """Build the :class:`MobileNetV2` this config describes."""
+        return MobileNetV2(
+            config=self, input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+        )
 
 
 class InvertedResidual(nn.Module):
@@ -157,39 +302,25 @@ class InvertedResidual(nn.Module):
 
     Parameters
     ----------
-    in_channels : int
-        Input channels.
-    out_channels : int
-        Output channels.
-    stride : int
-        Stride of the depthwise convolution.
-    expand_ratio : int
-        Hidden channels are ``in_channels * expand_ratio``; 1 skips the expansion.
+    plan : BlockPlan
+        Channels, stride, expansion and residual connection of the block.
     norm_layer : NormFactory
         Normalisation after each convolution.
     """
 
-    def __init__(
-        self,
-        *,
-        in_channels: int,
-        out_channels: int,
-        stride: int,
-        expand_ratio: int,
-        norm_layer: NormFactory,
-    ) -> None:
+    def __init__(self, *, plan: BlockPlan, norm_layer: NormFactory) -> None:
         super().__init__()
-        hidden = in_channels * expand_ratio
-        self.use_residual = stride == 1 and in_channels == out_channels
+        hidden = plan.hidden_channels
+        self.use_residual = plan.residual
         layers: list[nn.Module] = []
-        if expand_ratio != 1:
-            layers += [conv1x1(in_channels, hidden), norm_layer(hidden), nn.ReLU6()]
+        if plan.expand:
+            layers += [conv1x1(plan.in_channels, hidden), norm_layer(hidden), nn.ReLU6()]
         layers += [
-            conv3x3(hidden, hidden, stride, groups=hidden),
+            conv3x3(hidden, hidden, plan.stride, groups=hidden),
             norm_layer(hidden),
             nn.ReLU6(),
-            conv1x1(hidden, out_channels),
-            norm_layer(out_channels),
+            conv1x1(hidden, plan.out_channels),
+            norm_layer(plan.out_channels),
         ]
         self.block = nn.Sequential(*layers)
 
@@ -240,33 +371,29 @@ class MobileNetV2(TesseraModel):
         )
         self.config = config
         self.adapter = ImageAdapter(input_shape=self.input_shape)
-        in_channels = config.channels(config.stem_channels)
-        layers: list[nn.Module] = [
-            conv3x3(self.adapter.output_shape[0], in_channels, config.stem_stride),
-            norm_layer(in_channels),
+        stem = config.stem_width
+        self.stem = nn.Sequential(
+            conv3x3(self.adapter.output_shape[0], stem, config.stem_stride),
+            norm_layer(stem),
             nn.ReLU6(),
-        ]
-        for setting, depth in zip(config.settings, config.section_depths, strict=True):
-            out_channels = config.channels(setting.channels)
-            for block in range(depth):
-                layers.append(
-                    InvertedResidual(
-                        in_channels=in_channels,
-                        out_channels=out_channels,
-                        stride=setting.stride if block == 0 else 1,
-                        expand_ratio=setting.expand_ratio,
-                        norm_layer=norm_layer,
-                    )
+        )
+        plans = config.block_plans()
+        self.sections = nn.Sequential(
+            *(
+                nn.Sequential(
+                    *(InvertedResidual(plan=plan, norm_layer=norm_layer) for plan in section)
                 )
-                in_channels = out_channels
-        layers += [
-            conv1x1(in_channels, config.feature_dim),
+                for section in plans
+            )
+        )
+        last = plans[-1][-1].out_channels
+        self.final = nn.Sequential(
+            conv1x1(last, config.feature_dim),
             norm_layer(config.feature_dim),
             nn.ReLU6(),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
-        ]
-        self.features = nn.Sequential(*layers)
+        )
         self.head = nn.Linear(config.feature_dim, num_classes)
         init_conv_weights(self)
 
@@ -283,63 +410,35 @@ class MobileNetV2(TesseraModel):
         Tensor
             Representations of shape ``(N, feature_dim)``.
         """
-        z: Tensor = self.features(self.adapter(x))
+        z: Tensor = self.final(self.sections(self.stem(self.adapter(x))))
         return z
 
 
-def _build(
-    width_mult: float,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory,
-) -> MobileNetV2:
-    return MobileNetV2(
-        config=MobileNetV2Config(width_mult=width_mult),
-        input_shape=input_shape,
-        num_classes=num_classes,
-        norm_layer=norm_layer,
+MOBILENETV2_VARIANTS: Final[tuple[tuple[str, MobileNetV2Config, str], ...]] = tuple(
+    (
+        f"mobilenetv2_{round(100 * width):03d}",
+        MobileNetV2Config(width_mult=width),
+        f"width x{width}",
     )
+    for width in (0.35, 0.5, 0.75, 1.0)
+)
+"""The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-@register_model("mobilenetv2_035", family="mobilenetv2", size_rank=0, description="width x0.35")
-def mobilenetv2_035(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> MobileNetV2:
-    """Build MobileNetV2 at width 0.35."""
-    return _build(0.35, input_shape, num_classes, norm_layer)
+def _builder(config: MobileNetV2Config) -> ModelBuilder:
+    def build(
+        *, input_shape: tuple[int, ...], num_classes: int, norm_layer: NormFactory = batch_norm
+    ) -> MobileNetV2:
+        return config.build(input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer)
+
+    return build
 
 
-@register_model("mobilenetv2_050", family="mobilenetv2", size_rank=1, description="width x0.5")
-def mobilenetv2_050(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> MobileNetV2:
-    """Build MobileNetV2 at width 0.5."""
-    return _build(0.5, input_shape, num_classes, norm_layer)
+def _register() -> None:
+    for rank, (name, config, description) in enumerate(MOBILENETV2_VARIANTS):
+        register_model(
+            name, family="mobilenetv2", size_rank=rank, description=description, config=config
+        )(_builder(config))
 
 
-@register_model("mobilenetv2_075", family="mobilenetv2", size_rank=2, description="width x0.75")
-def mobilenetv2_075(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> MobileNetV2:
-    """Build MobileNetV2 at width 0.75."""
-    return _build(0.75, input_shape, num_classes, norm_layer)
-
-
-@register_model("mobilenetv2_100", family="mobilenetv2", size_rank=3, description="width x1.0")
-def mobilenetv2_100(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> MobileNetV2:
-    """Build MobileNetV2 at width 1.0."""
-    return _build(1.0, input_shape, num_classes, norm_layer)
+_register()

@@ -9,21 +9,31 @@ rounded with :func:`models.layers.make_divisible`. Stem and strides are CIFAR-st
 
 Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
 :class:`models.base.ImageAdapter`.
+
+State-dict layout: ``stem.weight``, block ``b`` of stage ``s`` under
+``sections.{s}.{b}.`` (``norm1``, ``conv1``, ``norm2``, ``conv2``, ``shortcut``),
+the final norm under ``final.0.``, the classifier ``head``. A config is sliceable
+(:mod:`models.slicing`): :meth:`PreResNetConfig.sliced` keeps each stage's first
+blocks and ``ceil(width * c)`` of every stage's ``c`` channels. Every stage after
+the first starts with a stride-2 block with a projection shortcut, so slices keep at
+least two blocks per stage (:attr:`PreResNetConfig.min_section_depth`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Final
 
 from torch import Tensor, nn
 
 from models.base import ImageAdapter, TesseraModel
-from models.layers import conv1x1, conv3x3, init_conv_weights, make_divisible
+from models.layers import conv1x1, conv3x3, init_conv_weights, make_divisible, slice_channels
 from models.norm import NormFactory, batch_norm
-from models.registry import register_model
+from models.registry import ModelBuilder, register_model
+from models.slicing import check_slice
 
-__all__ = ["PreActBlock", "PreResNet", "PreResNetConfig"]
+__all__ = ["PRERESNET_VARIANTS", "PreActBlock", "PreResNet", "PreResNetConfig"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +48,15 @@ class PreResNetConfig:
         Multiplier applied to every base width, e.g. 0.5 for half width.
     base_widths : tuple[int, ...]
         Width of each stage at ``width_mult=1``, one per stage.
+    slice_width : float
+        For a sub-model (:meth:`sliced`), the share of the global model's channels
+        kept, ``ceil(slice_width * c)`` of each stage's ``c``; 1 for a global model.
     """
 
     stage_depths: tuple[int, ...]
     width_mult: float = 1.0
     base_widths: tuple[int, ...] = (64, 128, 256, 512)
+    slice_width: float = 1.0
 
     def __post_init__(self) -> None:
         """Validate the table."""
@@ -63,11 +77,67 @@ class PreResNetConfig:
             )
         if not self.width_mult > 0:
             raise ValueError(f"PreResNetConfig.width_mult must be > 0, got {self.width_mult}.")
+        if not 0 < self.slice_width <= 1:
+            raise ValueError(
+                f"PreResNetConfig.slice_width must be in (0, 1], got {self.slice_width}."
+            )
+
+    @property
+    def global_widths(self) -> tuple[int, ...]:
+        """Channel width of each stage of the global model: multiplier, rounded to 8."""
+        return tuple(make_divisible(w * self.width_mult) for w in self.base_widths)
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """Channel width of each stage after the multiplier and rounding to 8."""
-        return tuple(make_divisible(w * self.width_mult) for w in self.base_widths)
+        """Channel width of each stage: the global widths, sliced by ``slice_width``."""
+        return tuple(slice_channels(w, self.slice_width) for w in self.global_widths)
+
+    @property
+    def section_depths(self) -> tuple[int, ...]:
+        """Blocks in each stage (a stage is a section)."""
+        return self.stage_depths
+
+    @property
+    def min_section_depth(self) -> int:
+        """Fewest blocks a slice keeps per stage: 2 when a stage starts at stride 2."""
+        return 2 if len(self.stage_depths) > 1 else 1
+
+    @property
+    def stem_key(self) -> str:
+        """State-dict key of the stem convolution's weight."""
+        return "stem.weight"
+
+    def sliced(self, width: float, depths: Sequence[int]) -> PreResNetConfig:
+        """Return the config of a sub-model of this global model.
+
+        Parameters
+        ----------
+        width : float
+            Share of every stage's channels kept, in ``(0, 1]``.
+        depths : Sequence[int]
+            Blocks kept per stage (the first ones), at least
+            :attr:`min_section_depth` (or the stage's depth if smaller).
+
+        Returns
+        -------
+        PreResNetConfig
+            The slice: ``stage_depths=depths``, ``slice_width=width``.
+
+        Raises
+        ------
+        ValueError
+            If this config is already a slice or the slice does not fit it.
+        """
+        width, kept = check_slice(self, width, depths)
+        return replace(self, stage_depths=kept, slice_width=width)
+
+    def build(
+        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+    ) -> PreResNet:
+        """Build the :class:`PreResNet` this config describes."""
+        return PreResNet(
+            config=self, input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+        )
 
     @property
     def depth(self) -> int:
@@ -161,13 +231,13 @@ class PreResNet(TesseraModel):
         self.config = config
         self.adapter = ImageAdapter(input_shape=self.input_shape)
         self.stem = conv3x3(self.adapter.output_shape[0], widths[0])
-        stages: list[nn.Module] = []
+        sections: list[nn.Module] = []
         in_channels = widths[0]
         for index, (blocks, width) in enumerate(zip(config.stage_depths, widths, strict=True)):
-            stage: list[nn.Module] = []
+            section: list[nn.Module] = []
             for block in range(blocks):
                 stride = 2 if index > 0 and block == 0 else 1
-                stage.append(
+                section.append(
                     PreActBlock(
                         in_channels=in_channels,
                         out_channels=width,
@@ -176,8 +246,8 @@ class PreResNet(TesseraModel):
                     )
                 )
                 in_channels = width
-            stages.append(nn.Sequential(*stage))
-        self.stages = nn.Sequential(*stages)
+            sections.append(nn.Sequential(*section))
+        self.sections = nn.Sequential(*sections)
         self.final = nn.Sequential(
             norm_layer(widths[-1]), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
         )
@@ -197,87 +267,55 @@ class PreResNet(TesseraModel):
         Tensor
             Representations of shape ``(N, feature_dim)``.
         """
-        z: Tensor = self.final(self.stages(self.stem(self.adapter(x))))
+        z: Tensor = self.final(self.sections(self.stem(self.adapter(x))))
         return z
 
 
-def _build(
-    config: PreResNetConfig,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory,
-) -> PreResNet:
-    return PreResNet(
-        config=config,
-        input_shape=input_shape,
-        num_classes=num_classes,
-        norm_layer=norm_layer,
-    )
-
-
-@register_model(
-    "preresnet10_050",
-    family="preresnet",
-    size_rank=0,
-    description="PreAct ResNet-10, blocks (1,1,1,1), width x0.5 (32-256)",
+PRERESNET_VARIANTS: Final[tuple[tuple[str, PreResNetConfig, str], ...]] = (
+    (
+        "preresnet26_025",
+        PreResNetConfig(stage_depths=(3, 3, 3, 3), width_mult=0.25),
+        "PreAct ResNet-26, blocks (3,3,3,3), width x0.25 (16-128): the sub-model schemes' "
+        "global model, sliceable in width and depth",
+    ),
+    (
+        "preresnet10_050",
+        PreResNetConfig(stage_depths=(1, 1, 1, 1), width_mult=0.5),
+        "PreAct ResNet-10, blocks (1,1,1,1), width x0.5 (32-256)",
+    ),
+    (
+        "preresnet18_050",
+        PreResNetConfig(stage_depths=(2, 2, 2, 2), width_mult=0.5),
+        "PreAct ResNet-18, blocks (2,2,2,2), width x0.5 (32-256)",
+    ),
+    (
+        "preresnet10_100",
+        PreResNetConfig(stage_depths=(1, 1, 1, 1), width_mult=1.0),
+        "PreAct ResNet-10, blocks (1,1,1,1), width x1 (64-512)",
+    ),
+    (
+        "preresnet18_100",
+        PreResNetConfig(stage_depths=(2, 2, 2, 2), width_mult=1.0),
+        "PreAct ResNet-18, blocks (2,2,2,2), width x1 (64-512)",
+    ),
 )
-def preresnet10_050(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> PreResNet:
-    """Build the pre-activation ResNet-10 at half width."""
-    config = PreResNetConfig(stage_depths=(1, 1, 1, 1), width_mult=0.5)
-    return _build(config, input_shape, num_classes, norm_layer)
+"""The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-@register_model(
-    "preresnet18_050",
-    family="preresnet",
-    size_rank=1,
-    description="PreAct ResNet-18, blocks (2,2,2,2), width x0.5 (32-256)",
-)
-def preresnet18_050(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> PreResNet:
-    """Build the pre-activation ResNet-18 at half width."""
-    config = PreResNetConfig(stage_depths=(2, 2, 2, 2), width_mult=0.5)
-    return _build(config, input_shape, num_classes, norm_layer)
+def _builder(config: PreResNetConfig) -> ModelBuilder:
+    def build(
+        *, input_shape: tuple[int, ...], num_classes: int, norm_layer: NormFactory = batch_norm
+    ) -> PreResNet:
+        return config.build(input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer)
+
+    return build
 
 
-@register_model(
-    "preresnet10_100",
-    family="preresnet",
-    size_rank=2,
-    description="PreAct ResNet-10, blocks (1,1,1,1), width x1 (64-512)",
-)
-def preresnet10_100(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> PreResNet:
-    """Build the pre-activation ResNet-10 at full width."""
-    config = PreResNetConfig(stage_depths=(1, 1, 1, 1), width_mult=1.0)
-    return _build(config, input_shape, num_classes, norm_layer)
+def _register() -> None:
+    for rank, (name, config, description) in enumerate(PRERESNET_VARIANTS):
+        register_model(
+            name, family="preresnet", size_rank=rank, description=description, config=config
+        )(_builder(config))
 
 
-@register_model(
-    "preresnet18_100",
-    family="preresnet",
-    size_rank=3,
-    description="PreAct ResNet-18, blocks (2,2,2,2), width x1 (64-512)",
-)
-def preresnet18_100(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-) -> PreResNet:
-    """Build the pre-activation ResNet-18 at full width."""
-    config = PreResNetConfig(stage_depths=(2, 2, 2, 2), width_mult=1.0)
-    return _build(config, input_shape, num_classes, norm_layer)
+_register()

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 
 from models.base import TesseraModel, validate_input_shape, validate_num_classes
 from models.norm import NormFactory, get_norm
+from models.spec import split_name
 
 __all__ = [
     "ModelBuilder",
@@ -62,6 +63,10 @@ class ModelEntry:
         Function building the model.
     description : str
         One-line human-readable description.
+    config : object or None
+        The frozen architecture config the builder builds (e.g. a
+        :class:`~models.preresnet.PreResNetConfig`), None where the family has none.
+        Sectioned configs can be sliced (:mod:`models.slicing`).
     """
 
     name: str
@@ -69,6 +74,7 @@ class ModelEntry:
     size_rank: int
     builder: ModelBuilder
     description: str = ""
+    config: object | None = None
 
 
 class ModelRegistry:
@@ -83,7 +89,13 @@ class ModelRegistry:
         self._entries: dict[str, ModelEntry] = {}
 
     def register(
-        self, name: str, *, family: str, size_rank: int, description: str = ""
+        self,
+        name: str,
+        *,
+        family: str,
+        size_rank: int,
+        description: str = "",
+        config: object | None = None,
     ) -> Callable[[BuilderT], BuilderT]:
         """Return a decorator registering a builder under ``name``.
 
@@ -97,6 +109,8 @@ class ModelRegistry:
             Rank by size within the family, 0 for the smallest; unique per family.
         description : str, optional
             One-line description.
+        config : object or None, optional
+            The frozen config the builder builds, exposed as ``ModelEntry.config``.
 
         Returns
         -------
@@ -136,6 +150,7 @@ class ModelRegistry:
                 size_rank=size_rank,
                 builder=builder,
                 description=description,
+                config=config,
             )
             return builder
 
@@ -215,7 +230,8 @@ class ModelRegistry:
         Parameters
         ----------
         name : str
-            Model name.
+            Model name, or a slice of a sectioned one: ``"<model>@w<width>-d<depths>"``
+            (:func:`models.spec.slice_name`).
         input_shape : Sequence[int]
             Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
         num_classes : int
@@ -234,11 +250,23 @@ class ModelRegistry:
         ValueError
             If the name, input shape, number of classes or norm is invalid.
         """
-        entry = self.entry(name)
+        model, spec = split_name(name)
+        entry = self.entry(model)
         shape = validate_input_shape(input_shape)
         classes = validate_num_classes(num_classes)
         norm_layer = get_norm(norm)
-        return entry.builder(input_shape=shape, num_classes=classes, norm_layer=norm_layer)
+        if spec is None:
+            return entry.builder(input_shape=shape, num_classes=classes, norm_layer=norm_layer)
+        sliced = getattr(entry.config, "sliced", None)
+        if sliced is None:
+            raise ValueError(
+                f"model {model!r} has no sections, so it cannot be sliced as {name!r}; "
+                "slice a preresnet or mobilenetv2 model"
+            )
+        built: TesseraModel = sliced(spec.width, spec.depths).build(
+            input_shape=shape, num_classes=classes, norm_layer=norm_layer
+        )
+        return built
 
 
 _REGISTRY = ModelRegistry()
@@ -246,7 +274,12 @@ _REGISTRY = ModelRegistry()
 
 
 def register_model(
-    name: str, *, family: str, size_rank: int, description: str = ""
+    name: str,
+    *,
+    family: str,
+    size_rank: int,
+    description: str = "",
+    config: object | None = None,
 ) -> Callable[[BuilderT], BuilderT]:
     """Return a decorator registering a builder in the zoo.
 
@@ -260,6 +293,8 @@ def register_model(
         Rank by size within the family, 0 for the smallest; unique per family.
     description : str, optional
         One-line description.
+    config : object or None, optional
+        The frozen config the builder builds, exposed as ``model_entry(name).config``.
 
     Returns
     -------
@@ -271,7 +306,9 @@ def register_model(
     ValueError
         If ``name`` or ``(family, size_rank)`` is already registered.
     """
-    return _REGISTRY.register(name, family=family, size_rank=size_rank, description=description)
+    return _REGISTRY.register(
+        name, family=family, size_rank=size_rank, description=description, config=config
+    )
 
 
 def get_model(
@@ -282,7 +319,8 @@ def get_model(
     Parameters
     ----------
     name : str
-        Model name, one of :func:`list_models`.
+        Model name, one of :func:`list_models`, or a slice ``"<model>@<tag>"`` of a
+        sectioned one (:func:`models.spec.slice_name`).
     input_shape : Sequence[int]
         Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
     num_classes : int
@@ -347,7 +385,7 @@ def model_entry(name: str) -> ModelEntry:
     Returns
     -------
     ModelEntry
-        Its entry: family, size rank, builder, description.
+        Its entry: family, size rank, builder, description, config.
 
     Raises
     ------

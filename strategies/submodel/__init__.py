@@ -3,7 +3,7 @@
 Pure numpy on state dicts (``dict[str, np.ndarray]``), shared by the sub-model
 schemes (HeteroFL, FlexiFed, NeFL, FedFA):
 
-- :mod:`~strategies.submodel.layout`: :class:`Layout` (how a family names its
+- :mod:`models.spec` (re-exported here): :class:`Layout` (how a family names its
   section blocks, which entries keep whole channels) and :class:`SubModelSpec`
   (width ratio, blocks kept per section);
 - :func:`extract`: FedFA Algorithm 3, drop each section's last blocks, then keep
@@ -15,6 +15,15 @@ schemes (HeteroFL, FlexiFed, NeFL, FedFA):
   :mod:`~strategies.submodel.aggregate`).
 """
 
+from models.spec import (
+    Layout,
+    SubModelError,
+    SubModelSpec,
+    section_depths,
+    shapes_of,
+    sub_channels,
+    sub_shape,
+)
 from strategies.submodel.aggregate import (
     coverage_average,
     layer_norms,
@@ -25,15 +34,6 @@ from strategies.submodel.aggregate import (
 )
 from strategies.submodel.extract import coverage_index, extract, prefix_index
 from strategies.submodel.graft import graft
-from strategies.submodel.layout import (
-    Layout,
-    SubModelError,
-    SubModelSpec,
-    section_depths,
-    shapes_of,
-    sub_channels,
-    sub_shape,
-)
 
 __all__ = [
     "Layout",

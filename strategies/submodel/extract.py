@@ -6,15 +6,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from strategies.aggregation import AggregationError
-from strategies.aggregators import Index
-from strategies.submodel.layout import (
+from models.spec import (
     Layout,
     SubModelError,
     SubModelSpec,
     section_depths,
     sub_shape,
 )
+from strategies.aggregation import AggregationError
+from strategies.aggregators import Index
 
 
 def prefix_index(shape: tuple[int, ...]) -> Index:
@@ -61,7 +61,7 @@ def extract(
 
     Each section keeps its first ``spec.depths[s]`` blocks (the last ones are
     dropped), then every kept entry is cut to the channel prefix ``[:c_out, :c_in]``
-    (:func:`~strategies.submodel.layout.sub_shape`). The values are copies.
+    (:func:`~models.spec.sub_shape`). The values are copies.
 
     Parameters
     ----------

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from strategies.submodel.layout import Layout, SubModelError, section_depths
+from models.spec import Layout, SubModelError, section_depths
 
 
 def graft(

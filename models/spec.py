@@ -88,6 +88,55 @@ class SubModelSpec:
         """Return the spec of the global model itself (width 1, every block)."""
         return cls(width=1.0, depths=tuple(depths))
 
+    @property
+    def tag(self) -> str:
+        """The spec as text, ``w<width>-d<d0>.<d1>...``, e.g. ``w0.5-d2.2.3.2``."""
+        return f"w{self.width:g}-d" + ".".join(str(d) for d in self.depths)
+
+    @classmethod
+    def from_tag(cls, tag: str) -> SubModelSpec:
+        """Parse :attr:`tag`.
+
+        Raises
+        ------
+        ValueError
+            If ``tag`` is not ``w<width>-d<d0>.<d1>...`` with a valid width and depths.
+        """
+        match = re.fullmatch(r"w([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)-d([0-9]+(?:\.[0-9]+)*)", tag)
+        if match is None:
+            raise ValueError(
+                f"sub-model tag {tag!r} is not 'w<width>-d<blocks per section>', "
+                f"e.g. 'w0.5-d2.2.3.2'"
+            )
+        return cls(float(match[1]), tuple(int(d) for d in match[2].split(".")))
+
+
+SLICE_SEPARATOR = "@"
+"""Separates a registered model's name from a sub-model tag in an architecture name."""
+
+
+def slice_name(model: str, spec: SubModelSpec) -> str:
+    """Return the architecture name of the slice ``spec`` of registered model ``model``.
+
+    Examples
+    --------
+    >>> slice_name("preresnet26_025", SubModelSpec(0.5, (3, 3, 2, 2)))
+    'preresnet26_025@w0.5-d3.3.2.2'
+    """
+    return f"{model}{SLICE_SEPARATOR}{spec.tag}"
+
+
+def split_name(name: str) -> tuple[str, SubModelSpec | None]:
+    """Split an architecture name into the registered model and the slice, if any.
+
+    Raises
+    ------
+    ValueError
+        If the part after ``@`` is not a valid :attr:`SubModelSpec.tag`.
+    """
+    model, sep, tag = name.partition(SLICE_SEPARATOR)
+    return model, (SubModelSpec.from_tag(tag) if sep else None)
+
 
 def _as_keys(value: Iterable[str], name: str) -> frozenset[str]:
     if isinstance(value, str):
