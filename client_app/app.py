@@ -176,11 +176,12 @@ def handshake(msg: Message, context: Context) -> Message:
     """Report device profile, data and the chosen architecture."""
     from client_app.selection import Budget, Workload, candidate_costs, choose_architecture
     from models import model_entry
+    from models.spec import split_name
     from strategies import get_scheme
 
     run = RunConfig.from_flower(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    scheme = get_scheme(run.strategy)
+    algorithm = build_client(run, context.run_config)
     data = load_node_data(run, node)
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
     simulated = bool(config.get("simulation", False))
@@ -196,7 +197,7 @@ def handshake(msg: Message, context: Context) -> Message:
             node.partition_id,
             benchmark=True,
         )
-    family = run.model_family or scheme.default_family
+    family = run.model_family or get_scheme(run.strategy).default_family
     workload = Workload(
         samples_per_round=len(data.train) * run.local_epochs,
         batch_size=run.batch_size,
@@ -204,12 +205,18 @@ def handshake(msg: Message, context: Context) -> Message:
         num_classes=data.num_classes,
     )
     if node.arch is not None:
-        entry = model_entry(node.arch)
+        entry = model_entry(split_name(node.arch)[0])
         arch, fits, reason = node.arch, True, "forced by node-config 'arch'"
         size_rank, family = entry.size_rank, entry.family
         est_mem, est_sec = 0, 0.0
     else:
-        candidates = candidate_costs(family, data.input_shape, data.num_classes, norm=run.norm)
+        candidates = candidate_costs(
+            family,
+            data.input_shape,
+            data.num_classes,
+            norm=run.norm,
+            names=algorithm.candidate_archs(family),
+        )
         choice = choose_architecture(
             profile,
             candidates,
@@ -217,7 +224,7 @@ def handshake(msg: Message, context: Context) -> Message:
             Budget(max_round_seconds=run.train_time_budget, memory_fraction=run.memory_fraction),
         )
         arch, fits, reason = choice.name, choice.fits, choice.reason
-        size_rank = model_entry(arch).size_rank
+        size_rank = next(c.size_rank for c in candidates if c.name == arch)
         est_mem, est_sec = choice.estimated_memory_bytes, choice.estimated_round_seconds
     log.info("node %s: profile %s -> %s (%s)", context.node_id, profile.name, arch, reason)
     record: dict[str, Any] = {

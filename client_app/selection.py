@@ -456,9 +456,14 @@ def choose_architecture(
 
 
 def candidate_costs(
-    family: str, input_shape: Sequence[int], num_classes: int, *, norm: str = "batch"
+    family: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    norm: str = "batch",
+    names: Sequence[str] | None = None,
 ) -> list[CandidateCost]:
-    """Build every model of a family and measure its costs.
+    """Build every candidate model and measure its costs.
 
     Parameters
     ----------
@@ -471,17 +476,22 @@ def candidate_costs(
     norm : str
         Normalisation passed to ``models.get_model`` (it changes the
         activation count slightly).
+    names : Sequence of str, optional
+        The candidates; every model of ``family`` when omitted. Registered models
+        keep the registry's size rank; when any candidate is a slice
+        (``"<model>@<tag>"``), ranks are derived from the measured cost instead
+        (parameters, then MACs), so no candidate declares its own.
 
     Returns
     -------
     list of CandidateCost
-        One entry per model of the family, by ascending ``size_rank``.
+        One entry per candidate, by ascending ``size_rank``.
 
     Raises
     ------
     ValueError
-        From the registry, if the family, input shape, class count or norm is
-        invalid.
+        From the registry, if the family, a name, the input shape, class count or
+        norm is invalid.
     """
     # Imported lazily: building models needs torch; the pure selection does not.
     from models import (
@@ -492,18 +502,34 @@ def candidate_costs(
         list_models,
         model_entry,
     )
+    from models.spec import SLICE_SEPARATOR
 
     shape = tuple(int(d) for d in input_shape)
-    costs = []
-    for name in list_models(family):
+    chosen = list(list_models(family) if names is None else names)
+    derived = any(SLICE_SEPARATOR in name for name in chosen)
+    measured = []
+    for name in chosen:
         model = get_model(name, input_shape=shape, num_classes=num_classes, norm=norm)
-        costs.append(
-            CandidateCost(
-                name=name,
-                size_rank=model_entry(name).size_rank,
-                params=count_parameters(model),
-                macs_per_sample=count_macs(model, shape),
-                activations_per_sample=count_activations(model, shape),
+        measured.append(
+            (
+                name,
+                count_parameters(model),
+                count_macs(model, shape),
+                count_activations(model, shape),
             )
         )
+    if derived:
+        ranks = {m[0]: r for r, m in enumerate(sorted(measured, key=lambda m: (m[1], m[2])))}
+    else:
+        ranks = {m[0]: model_entry(m[0]).size_rank for m in measured}
+    costs = [
+        CandidateCost(
+            name=name,
+            size_rank=ranks[name],
+            params=params,
+            macs_per_sample=macs,
+            activations_per_sample=acts,
+        )
+        for name, params, macs, acts in measured
+    ]
     return sorted(costs, key=lambda c: c.size_rank)

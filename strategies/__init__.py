@@ -7,11 +7,15 @@ scheme's server strategy, its client algorithm and its option parser.
 from strategies import (
     fedavg,
     fedavg_groups,
+    fedfa,
     fedhenn,
     fedprox,
     felo,
+    flexifed,
     flwr_fedavg,
+    heterofl,
     local,
+    nefl,
     robust,
 )
 from strategies.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
@@ -21,13 +25,17 @@ __all__ = [
     "SchemeError",
     "fedavg",
     "fedavg_groups",
+    "fedfa",
     "fedhenn",
     "fedprox",
     "felo",
+    "flexifed",
     "flwr_fedavg",
     "get_scheme",
+    "heterofl",
     "list_schemes",
     "local",
+    "nefl",
     "register_scheme",
     "robust",
 ]

@@ -277,8 +277,19 @@ def _handshake_problem(info: NodeInfo, num_classes: int | None) -> str | None:
         return f"handshake reports num-train={info.num_train}"
     if info.num_test < 0:
         return f"handshake reports num-test={info.num_test}"
-    entry = model_entry(info.arch)
-    if info.family != entry.family or info.size_rank != entry.size_rank:
+    from models.spec import split_name
+
+    model, spec = split_name(info.arch)
+    entry = model_entry(model)
+    if spec is not None:
+        # a slice's size rank is derived from its measured cost on the device, not
+        # declared; the server never orders nodes by it
+        if info.family != entry.family:
+            return (
+                f"handshake claims family '{info.family}' for '{info.arch}', a slice of "
+                f"'{model}' of family '{entry.family}'"
+            )
+    elif info.family != entry.family or info.size_rank != entry.size_rank:
         return (
             f"handshake claims family '{info.family}' and size-rank {info.size_rank} for "
             f"'{info.arch}', which the registry has as family '{entry.family}', size-rank "
@@ -389,6 +400,12 @@ class HeteroStrategy:
         return {k: (tuple(v.shape), str(v.dtype)) for k, v in self._templates[arch].items()}
 
     # ------------------------------------------------------------------- hooks
+    def known_archs(self) -> list[str]:
+        """Architectures a node may name in the handshake (default: every registered model)."""
+        from models import list_models
+
+        return list_models()
+
     def assign_architectures(self, nodes: Mapping[int, NodeInfo]) -> dict[int, str | None]:
         """Map each node to the architecture it trains (``None`` leaves it out).
 
@@ -748,8 +765,6 @@ class HeteroStrategy:
 
     def _refresh_nodes(self, grid: Grid, timeout: float) -> None:
         """Handshake with nodes not seen yet; leave out nodes that disconnected."""
-        from models import list_models
-
         retry = self.env.run.superlink_retry_timeout
         connected = connected_nodes(grid, retry_timeout=retry)
         new = sorted(connected - set(self.nodes) - set(self.excluded))
@@ -780,7 +795,7 @@ class HeteroStrategy:
             for node, reason in outcome.missing.items():
                 log.warning("handshake: node %d failed: %s", node, reason)
                 self._handshake_rejections.append(Rejection(node, reason))
-            known = list_models()
+            known = self.known_archs()
             for reply in outcome.replies:
                 info = parse_handshake(reply, known, num_classes=self.env.num_classes)
                 if isinstance(info, Rejection):

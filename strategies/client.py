@@ -133,6 +133,12 @@ class ClientAlgorithm:
         self.keeps_personal_model = False
 
     # ------------------------------------------------------------------ set-up
+    def candidate_archs(self, family: str) -> list[str]:
+        """Architectures a device may pick from in the handshake (default: the family's)."""
+        from models import list_models
+
+        return list_models(family)
+
     def prepare_data(
         self, train: ArrayDataset, test: ArrayDataset
     ) -> tuple[ArrayDataset, ArrayDataset]:
@@ -283,6 +289,10 @@ class ClientWrapper(ClientAlgorithm):
         self.options = inner.options
         self.sends_weights = inner.sends_weights
         self.keeps_personal_model = inner.keeps_personal_model
+
+    def candidate_archs(self, family: str) -> list[str]:
+        """Delegate to the inner client."""
+        return self.inner.candidate_archs(family)
 
     def prepare_data(
         self, train: ArrayDataset, test: ArrayDataset

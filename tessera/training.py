@@ -155,6 +155,53 @@ def evaluate_model(
     return loss_sum / len(data), correct / len(data)
 
 
+@torch.no_grad()
+def recompute_batch_statistics(model: nn.Module, data: ArrayDataset, *, batch_size: int) -> int:
+    """Recompute every batch norm's running statistics from scratch on ``data``.
+
+    HeteroFL's static batch norm: clients train without running statistics, and
+    before a global model or sub-model is evaluated its statistics are computed
+    anew on server data. Each batch norm's statistics are reset and set to the
+    cumulative average over all batches (``momentum=None``), so nothing from an
+    earlier round or another slice leaks in. The model is left in eval mode.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A model whose batch norms track running statistics.
+    data : ArrayDataset
+        Server-side data (labels unused).
+    batch_size : int
+        Samples per forward pass.
+
+    Returns
+    -------
+    int
+        The number of batch-norm layers updated.
+
+    Raises
+    ------
+    ValueError
+        If ``data`` is empty or a batch norm does not track running statistics.
+    """
+    if len(data) == 0:
+        raise ValueError("cannot recompute batch-norm statistics on an empty dataset")
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        if not norm.track_running_stats:
+            raise ValueError(
+                f"{type(norm).__name__} does not track running statistics; build the model "
+                "with norm='batch' to recompute them"
+            )
+        norm.reset_running_stats()
+        norm.momentum = None
+    model.train()
+    for begin in range(0, len(data), batch_size):
+        model(torch.from_numpy(data.x[begin : begin + batch_size]))
+    model.eval()
+    return len(norms)
+
+
 def label_counts(labels: np.ndarray, num_classes: int) -> list[int]:
     """Count labels per class (0..num_classes-1)."""
     return [

@@ -145,11 +145,22 @@ def install_fast_clients(
         return bundle if spec == "digits" else real_load(spec)
 
     def candidate_costs(
-        family: str, input_shape: Any, num_classes: int, *, norm: str = "batch"
+        family: str,
+        input_shape: Any,
+        num_classes: int,
+        *,
+        norm: str = "batch",
+        names: Any = None,
     ) -> Any:
-        key = (family, tuple(input_shape), num_classes, norm)
+        key = (
+            family,
+            tuple(input_shape),
+            num_classes,
+            norm,
+            None if names is None else tuple(names),
+        )
         if key not in cache:
-            cache[key] = real_costs(family, input_shape, num_classes, norm=norm)
+            cache[key] = real_costs(family, input_shape, num_classes, norm=norm, names=names)
         return cache[key]
 
     monkeypatch.setattr(client_app.app, "load_bundle", load_bundle)
