@@ -62,6 +62,18 @@ def test_to_dict_uses_kebab_case_keys_of_pyproject(default_run_config: dict[str,
         "cvae-samples",
         "cvae-history",
     }
+    scheme_keys |= {  # heterofl / flexifed / nefl / fedfa
+        "submodel-global",
+        "submodel-widths",
+        "submodel-mask-classes",
+        "submodel-scaler",
+        "flexifed-strategy",
+        "fedfa-scaling",
+        "fedfa-target",
+        "fedfa-trim",
+        "fedfa-percentile",
+        "fedfa-weighted",
+    }
 
     # Execute
     out = RunConfig.from_flower(default_run_config).to_dict()

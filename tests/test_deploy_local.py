@@ -348,3 +348,31 @@ def test_stopped_deployment_resumes_with_every_round_once(tmp_path: Path) -> Non
     summary = json.loads((metrics.parent / "summary.json").read_text())
     assert summary["rounds"] == 4
     assert _processes_of(tmp_path) == []
+
+
+def test_fedfa_trains_width_and_depth_slices_in_native_deployment(tmp_path: Path) -> None:
+    # Prepare: FedFA on preresnet26_025; the three device profiles pick their slices
+    config = _run_config(
+        tmp_path,
+        "strategy='fedfa' model-family='preresnet' submodel-widths='1,0.25' local-epochs=1",
+    )
+    result = tmp_path / "results" / "e2e"
+
+    # Execute
+    proc = subprocess.run(
+        _command(tmp_path, config), cwd=ROOT, capture_output=True, text=True, timeout=420
+    )
+    out = proc.stdout + proc.stderr
+
+    # Assert: both rounds ran over gRPC, slices of the global model came back and were
+    # grafted and aggregated, the full model and each slice were evaluated
+    assert proc.returncode == 0, _output(proc, out)
+    rounds = _rounds(result)
+    assert [r["round"] for r in rounds] == [1, 2]
+    archs = {c["arch"] for r in rounds for c in r["clients"]}
+    assert all(a.startswith("preresnet26_025@") for a in archs), archs
+    for r in rounds:
+        assert not r["skipped"] and r["num_rejected"] == 0, r
+        assert sum(r["slices"].values()) == len(r["clients"]) >= 2
+        assert "preresnet26_025" in r["submodel_accuracy"]
+    assert _processes_of(tmp_path) == []

@@ -140,3 +140,27 @@ def test_one_hostile_node_in_four_is_bounded_in_real_simulation(
     attacked_acc = rounds[-1]["global_accuracy"]
     assert undefended_acc <= 0.15, undefended_acc
     assert attacked_acc >= 0.25 and attacked_acc >= clean_acc - 0.35, (attacked_acc, clean_acc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["heterofl", "fedfa"])
+def test_submodel_schemes_train_slices_in_real_simulation(scheme: str, tmp_path: Path) -> None:
+    # a weak and a strong device pick different slices of preresnet26_025; the two ends
+    # of the family here (width only; width x depth with grafting), flexifed and nefl
+    # run on the in-process grid (tests/test_submodel_schemes.py)
+    run_config = (
+        f"strategy='{scheme}' num-server-rounds=2 local-epochs=1 model-family='preresnet' "
+        "submodel-widths='1,0.25' sim-device-profiles='cpu-small,jetson-orin'"
+    )
+    rounds = [
+        json.loads(line)
+        for line in (simulate(tmp_path, run_config) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in rounds] == [1, 2]
+    archs = {c["arch"] for r in rounds for c in r["clients"]}
+    assert len(archs) >= 2 and all(a.startswith("preresnet26_025@") for a in archs), archs
+    for r in rounds:
+        assert r["num_ok"] == 3 and r["num_rejected"] == 0
+        assert set(r["submodel_accuracy"]) >= {"preresnet26_025"}
+        assert sum(r["slices"].values()) == 3
+    assert rounds[-1]["global_accuracy"] > 0.1
