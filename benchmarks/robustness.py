@@ -293,9 +293,15 @@ def fast_clients(bundle: Any) -> Iterator[None]:
         return bundle if spec == bundle.name else real_load(spec)
 
     def candidate_costs(
-        family: str, input_shape: Any, num_classes: int, *, norm: str = "batch"
+        family: str,
+        input_shape: Any,
+        num_classes: int,
+        *,
+        norm: str = "batch",
+        names: Any = None,
     ) -> Any:
-        return costs(family, tuple(input_shape), num_classes, norm=norm)
+        chosen = None if names is None else tuple(names)
+        return costs(family, tuple(input_shape), num_classes, norm=norm, names=chosen)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
