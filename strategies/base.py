@@ -876,6 +876,17 @@ class HeteroStrategy:
         }
 
     # ------------------------------------------------------------ evaluation
+    def flipped_test_set(self) -> ArrayDataset:
+        """Return the server test samples the label-flip attack relabels, relabelled.
+
+        A model's accuracy on it is the attack's success: the share predicted as
+        ``C - 1 - y``.
+        """
+        test = self.env.global_test
+        target = self.env.num_classes - 1 - test.y
+        changed = target != test.y
+        return ArrayDataset(test.x[changed], target[changed].astype(np.int64))
+
     def evaluate_global(self, *, flipped: bool = False) -> dict[str, float]:
         """Accuracy of every global model on the server's test set.
 
@@ -884,11 +895,7 @@ class HeteroStrategy:
         """
         from tessera.training import evaluate_model
 
-        test = self.env.global_test
-        if flipped:
-            target = self.env.num_classes - 1 - test.y
-            changed = target != test.y
-            test = ArrayDataset(test.x[changed], target[changed].astype(np.int64))
+        test = self.flipped_test_set() if flipped else self.env.global_test
         out: dict[str, float] = {}
         for arch, arrays in self.global_models().items():
             model = self.build_model(arch)

@@ -468,11 +468,9 @@ class SubModelStrategy(HeteroStrategy):
             "submodel_accuracy": accuracy,
         }
         if "label-flip" in self.env.run.attack:
-            test = self.env.global_test
-            target = self.env.num_classes - 1 - test.y
-            changed = target != test.y
-            flipped = ArrayDataset(test.x[changed], target[changed].astype(np.int64))
-            success = self._accuracy(self.global_name, self.sub_state(self.full_arch), flipped)
+            success = self._accuracy(
+                self.global_name, self.sub_state(self.full_arch), self.flipped_test_set()
+            )
             out["attack_success"] = success
             out["attack_success_by_arch"] = {self.global_name: success}
         return out
