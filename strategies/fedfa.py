@@ -16,7 +16,9 @@ Options: ``fedfa-scaling`` (default true; false: plain coverage average of the
 grafted slices), ``fedfa-target`` (``updates``, default, or ``weights``),
 ``fedfa-trim`` (``magnitude``, default, ``signed`` or ``central``),
 ``fedfa-percentile`` (95), ``fedfa-weighted`` (weight clients by examples, default
-true; the paper's Algorithm 1 weights by ``N_Dc``). Why these readings are the
+true; the paper's Algorithm 1 weights by ``N_Dc``), ``fedfa-slices`` (``both``,
+default, ``width`` or ``depth``: the paper's FedFA (Width) and FedFA (Depth), compared
+with HeteroFL and FlexiFed on the same axis). Why these readings are the
 defaults is in :mod:`strategies.submodel.aggregate`.
 
 Memory: scaling needs the whole cohort's norms before any client can be weighted,
@@ -47,6 +49,9 @@ from strategies.submodel.scheme import (
 from strategies.validation import ClientReply
 from tessera.config import ConfigError, ConfigReader
 
+SLICES = ("both", "width", "depth")
+"""Run-config ``fedfa-slices``: the axes nodes may cut their slice along."""
+
 
 @dataclass(frozen=True)
 class FedFAOptions(SubModelOptions):
@@ -57,6 +62,11 @@ class FedFAOptions(SubModelOptions):
     trim: str = "magnitude"
     percentile: float = 95.0
     weighted: bool = True
+    slices: str = "both"
+
+    def axes(self) -> tuple[bool, bool]:
+        """Return whether slices are cut in width and in depth (``fedfa-slices``)."""
+        return self.slices in ("both", "width"), self.slices in ("both", "depth")
 
     @classmethod
     def parse(cls, run_config: Mapping[str, Any]) -> FedFAOptions:
@@ -73,6 +83,11 @@ class FedFAOptions(SubModelOptions):
             raise ConfigError(
                 f"run-config 'fedfa-trim' is '{trim}'; use 'magnitude', 'signed' or 'central'"
             )
+        slices = r.get("fedfa-slices", str, "both")
+        if slices not in SLICES:
+            raise ConfigError(
+                f"run-config 'fedfa-slices' is '{slices}'; use one of {', '.join(SLICES)}"
+            )
         if not 0 < percentile <= 100:
             raise ConfigError(
                 f"run-config 'fedfa-percentile' is {percentile}; use a value in (0, 100], e.g. 95"
@@ -84,14 +99,20 @@ class FedFAOptions(SubModelOptions):
             trim=trim,
             percentile=percentile,
             weighted=r.get("fedfa-weighted", bool, True),
+            slices=slices,
         )
 
 
 class FedFAClient(SubModelClient):
-    """A FedFA node: picks a width and a depth."""
+    """A FedFA node: picks a width and a depth (or one of them, ``fedfa-slices``)."""
 
     width_flexible = True
     depth_flexible = True
+
+    def slice_axes(self) -> tuple[bool, bool]:
+        """Return the axes run-config ``fedfa-slices`` allows."""
+        axes: tuple[bool, bool] = self.options.axes()
+        return axes
 
 
 class FedFAStrategy(SubModelStrategy):
@@ -101,6 +122,11 @@ class FedFAStrategy(SubModelStrategy):
     width_flexible = True
     depth_flexible = True
     aggregators = ("mean",)
+
+    def slice_axes(self) -> tuple[bool, bool]:
+        """Return the axes run-config ``fedfa-slices`` allows."""
+        axes: tuple[bool, bool] = self.options.axes()
+        return axes
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

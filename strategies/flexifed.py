@@ -1,35 +1,105 @@
-"""FlexiFed (Wang et al.): depth-only slices, common layers shared, the rest personal.
+"""FlexiFed (Wang et al., WWW 2023): depth-only slices, common layers shared, the rest personal.
 
 Nodes train slices of one global model that differ in depth only (every section
-keeps its first blocks, all channels). FlexiFed's aggregation strategies, run-config
-``flexifed-strategy``:
+keeps its first blocks, all channels). FlexiFed shares a layer between two
+architectures only while their layer sequences, read from the input, are the same:
+the *common prefix*. A (2,2,2,2) and a (3,3,3,3) slice share the stem and the first
+two blocks of section 0; from the third block of section 0 on (including the deeper
+sections and the classifier, which sit at different depths) their layers are their
+own. FlexiFed's three aggregation strategies, run-config ``flexifed-strategy``:
 
-- ``max-common`` (default): every layer is averaged over every node whose
-  architecture has it (layers are identified by their key, ``sections.{s}.{b}``),
-  which with nested depth slices is coverage averaging;
-- ``basic-common``: only the layers that *every* architecture in the federation has
-  are averaged across all nodes; the others are averaged only among the nodes of
-  the same architecture, which keep them as their personal layers.
+- ``max-common`` (default): each layer of an architecture is averaged over every
+  node whose architecture shares the common prefix up to and including that layer
+  (FlexiFed's "maximum common part" of every subset of architectures);
+- ``clustered-common``: the prefix common to *every* architecture in the
+  federation is averaged over all nodes; the rest of each architecture only within
+  its cluster (the nodes of the same architecture);
+- ``basic-common``: the prefix common to every architecture is averaged over all
+  nodes; the rest is personal: each node's own trained values, kept for it on the
+  server (in checkpoints too) and sent back to it next round, never averaged into
+  what another node receives. (The server evaluates each architecture with the mean
+  of its nodes' personal layers.)
 
-Each architecture's model (the common layers and its own) is evaluated on the
-server test set; clients report personalised accuracy on their own test split.
-
-Not built: ``clustered-common`` (it needs a rule to cluster architectures, which a
-single family's depth slices do not give).
+The server keeps one model per set of architectures that shares entries (named by
+joining them with ``+``), so a shared entry is averaged once and every architecture
+sharing it reads the same value; an architecture's model is read from those
+groups. The full-depth model is the global model reported; each architecture's
+model is evaluated on the server test set, and clients report personalised accuracy
+on their own test split.
+The sharing rule is pure (:func:`common_prefix`, :func:`sharing`) and tested by hand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from flwr.app import RecordDict
+
+from strategies.base import RoundContext
+from strategies.groups import non_finite_entries, without_arrays
 from strategies.registry import Scheme, register_scheme
 from strategies.submodel.scheme import SubModelClient, SubModelOptions, SubModelStrategy
+from strategies.validation import ArraySpec, ClientReply
+from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 
-STRATEGIES = ("max-common", "basic-common")
-"""FlexiFed's aggregation strategies built here."""
+STRATEGIES = ("max-common", "clustered-common", "basic-common")
+"""FlexiFed's aggregation strategies."""
+
+
+def common_prefix(a: ArraySpec, b: ArraySpec) -> int:
+    """Return how many leading entries (name, shape, dtype, in order) ``a`` and ``b`` share.
+
+    Examples
+    --------
+    >>> s = ((2,), "float32")
+    >>> common_prefix({"x": s, "y": s, "z": s}, {"x": s, "z": s})
+    1
+    """
+    count = 0
+    for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=False):
+        if ka != kb or va != vb:
+            break
+        count += 1
+    return count
+
+
+def sharing(specs: Mapping[str, ArraySpec], arch: str, strategy: str) -> dict[str, frozenset[str]]:
+    """Return, per entry of ``arch``, the architectures whose models share it.
+
+    Parameters
+    ----------
+    specs : Mapping[str, ArraySpec]
+        Entry specs (in model order) of every architecture in the federation,
+        ``arch`` included.
+    arch : str
+        The architecture of a reply.
+    strategy : str
+        One of :data:`STRATEGIES`.
+
+    Returns
+    -------
+    dict[str, frozenset[str]]
+        Entry -> architectures it is averaged into. An entry that is personal
+        (``basic-common`` beyond the common prefix) maps to an empty set.
+    """
+    own = specs[arch]
+    prefix = {b: common_prefix(own, spec) for b, spec in specs.items()}
+    everyone = min(prefix.values())
+    out: dict[str, frozenset[str]] = {}
+    for position, key in enumerate(own):
+        if position < everyone:
+            out[key] = frozenset(specs)
+        elif strategy == "max-common":
+            out[key] = frozenset(b for b, n in prefix.items() if n > position)
+        elif strategy == "clustered-common":
+            out[key] = frozenset({arch})
+        else:
+            out[key] = frozenset()
+    return out
 
 
 @dataclass(frozen=True)
@@ -47,7 +117,7 @@ class FlexiFedOptions(SubModelOptions):
         if strategy not in STRATEGIES:
             raise ConfigError(
                 f"run-config 'flexifed-strategy' is '{strategy}'; use one of "
-                f"{', '.join(STRATEGIES)} (clustered-common is not built)"
+                f"{', '.join(STRATEGIES)}"
             )
         return cls(**cls.read(run_config), strategy=strategy)
 
@@ -66,14 +136,105 @@ class FlexiFedStrategy(SubModelStrategy):
     width_flexible = False
     depth_flexible = True
 
-    def private_keys(self, arch: str) -> frozenset[str]:
-        """Basic-Common: the layers of ``arch`` that some architecture in use lacks."""
-        if self.options.strategy != "basic-common":
-            return frozenset()
-        archs = set(self.assignment.values()) | {arch}
-        keys = [frozenset(self.array_spec(a)) for a in sorted(archs)]
-        common = frozenset.intersection(*keys)
-        return frozenset(self.array_spec(arch)) - common
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.personal: dict[int, dict[str, np.ndarray]] = {}
+        """``basic-common``: each node's own entries beyond the common prefix."""
+        self._pending_personal: dict[int, dict[str, np.ndarray]] = {}
+        self._groups: dict[tuple[str, tuple[str, ...]], dict[str, tuple[str, bool]]] = {}
+
+    def group_initial(self, group: str) -> dict[str, np.ndarray]:
+        """Return a sharing group's initial weights: those of its first architecture."""
+        return super().group_initial(sorted(group.split("+"))[0])
+
+    def archs_in_use(self, extra: str | None = None) -> tuple[str, ...]:
+        """Return the architectures assigned to nodes (plus ``extra``), sorted."""
+        archs = set(self.assignment.values()) | ({extra} if extra else set())
+        return tuple(sorted(a for a in archs if a))
+
+    def groups_of(self, arch: str) -> dict[str, tuple[str, bool]]:
+        """Per entry of ``arch``: the model that holds it, and whether it is personal.
+
+        A model holds the entries one set of architectures shares (named by joining
+        them with ``+``), so an entry shared by several architectures is averaged once
+        and every one of them reads the same value.
+        """
+        archs = self.archs_in_use(arch)
+        key = (arch, archs)
+        if key not in self._groups:
+            specs = {a: self.array_spec(a) for a in archs}
+            self._groups[key] = {
+                entry: ("+".join(sorted(shared or {arch})), not shared)
+                for entry, shared in sharing(specs, arch, self.options.strategy).items()
+            }
+        return self._groups[key]
+
+    def sub_state(self, arch: str) -> dict[str, np.ndarray]:
+        """Return ``arch``'s model: each entry from the group that shares it."""
+        return {
+            entry: self.models.get(group)[entry].copy()
+            for entry, (group, _) in self.groups_of(arch).items()
+        }
+
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
+        """Send the architecture's model, with the node's personal entries (``basic-common``)."""
+        content = super().node_content(ctx, node_id, arch)
+        own = self.personal.get(node_id)
+        if own:
+            state = self.sub_state(arch)
+            spec = self.array_spec(arch)
+            state.update({k: v for k, v in own.items() if k in spec and v.shape == spec[k][0]})
+            content[wire.ARRAYS] = wire.numpy_to_record(state)
+        return content
+
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Average each entry into the models that share it; keep personal entries apart."""
+        if reply.arrays is None:
+            raise ValueError(f"node {reply.node_id} sent no weights")
+        weight = float(reply.num_examples)
+        targets: dict[str, dict[str, np.ndarray]] = {}
+        personal: dict[str, np.ndarray] = {}
+        for key, (group, own) in self.groups_of(reply.arch).items():
+            value = reply.arrays[key]
+            if own:  # personal; the architecture's model (for evaluation) takes the mean
+                personal[key] = value
+            targets.setdefault(group, {})[key] = value
+        for group, update in sorted(targets.items()):
+            self.models.fold(group, update, weight, node=reply.node_id)
+        if personal:
+            self._pending_personal[reply.node_id] = personal
+        return without_arrays(reply)
+
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Commit the shared averages and the personal entries."""
+        bad = [n for n, own in self._pending_personal.items() if non_finite_entries(own)]
+        for node in bad:  # validated replies are finite; kept as a second line of defence
+            del self._pending_personal[node]
+        out = super().aggregate(ctx, replies)
+        self.personal.update(self._pending_personal)
+        self._pending_personal = {}
+        return out
+
+    def discard(self, ctx: RoundContext) -> None:
+        """Keep every model and personal entry as it was."""
+        super().discard(ctx)
+        self._pending_personal = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the base state plus the personal entries."""
+        return {
+            **super().state_dict(),
+            "personal": {str(n): dict(own) for n, own in self.personal.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the base state and the personal entries."""
+        super().load_state_dict(state)
+        self._groups = {}
+        self.personal = {
+            int(n): {str(k): np.asarray(v) for k, v in own.items()}
+            for n, own in state.get("personal", {}).items()
+        }
 
 
 SCHEME = register_scheme(
@@ -83,6 +244,6 @@ SCHEME = register_scheme(
         client=FlexiFedClient,
         parse_options=FlexiFedOptions.parse,
         default_family="preresnet",
-        description="FlexiFed: depth slices, common layers shared, the others personal",
+        description="FlexiFed: depth slices, common prefix shared, the rest per cluster or node",
     )
 )

@@ -11,13 +11,40 @@ recomputed on server data before every evaluation) are HeteroFL's; all are in
 :class:`~strategies.aggregators.Aggregator`, so the default update bound (``clip-factor``)
 and the robust aggregators that support coverage apply.
 
-Not built: FedRolex's rolling window (the slice is always the prefix).
+With run-config ``heterofl-rolling=true`` the slices follow FedRolex's rolling window
+(Alam et al., NeurIPS 2022) instead of the fixed prefix: after every round the
+server rolls each channel dimension of the global model back by one
+(:func:`~strategies.submodel.roll_channels`, which leaves the function it computes
+unchanged), so the prefix the next round cuts starts one channel further on (round ``r``
+trains channels ``r-1 .. r-2+c`` mod ``C`` of the original model), and
+over ``C`` rounds every channel of a width-``C`` layer is trained by narrow nodes too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from strategies.base import RoundContext
 from strategies.registry import Scheme, register_scheme
+from strategies.submodel.extract import roll_channels
 from strategies.submodel.scheme import SubModelClient, SubModelOptions, SubModelStrategy
+from strategies.validation import ClientReply
+from tessera.config import ConfigReader
+
+
+@dataclass(frozen=True)
+class HeteroFLOptions(SubModelOptions):
+    """The sub-model options plus ``heterofl-rolling`` (FedRolex's window)."""
+
+    rolling: bool = False
+
+    @classmethod
+    def parse(cls, run_config: Mapping[str, Any]) -> HeteroFLOptions:
+        """Read the options from the run config."""
+        rolling = ConfigReader(run_config, "run-config").get("heterofl-rolling", bool, False)
+        return cls(**cls.read(run_config), rolling=rolling)
 
 
 class HeteroFLClient(SubModelClient):
@@ -34,14 +61,23 @@ class HeteroFLStrategy(SubModelStrategy):
     width_flexible = True
     depth_flexible = False
 
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Commit the coverage average; with ``heterofl-rolling``, move the window by one."""
+        out = super().aggregate(ctx, replies)
+        if self.options.rolling:
+            self.models.arrays[self.global_name] = roll_channels(self.global_state, self.layout, -1)
+            out["window_shift"] = 1
+        return out
+
 
 SCHEME = register_scheme(
     Scheme(
         name="heterofl",
         server=HeteroFLStrategy,
         client=HeteroFLClient,
-        parse_options=SubModelOptions.parse,
+        parse_options=HeteroFLOptions.parse,
         default_family="preresnet",
-        description="HeteroFL: width slices of one global model, averaged by coverage",
+        description="HeteroFL: width slices of one global model, averaged by coverage "
+        "(FedRolex's rolling window as an option)",
     )
 )

@@ -67,12 +67,14 @@ def test_to_dict_uses_kebab_case_keys_of_pyproject(default_run_config: dict[str,
         "submodel-widths",
         "submodel-mask-classes",
         "submodel-scaler",
+        "heterofl-rolling",
         "flexifed-strategy",
         "fedfa-scaling",
         "fedfa-target",
         "fedfa-trim",
         "fedfa-percentile",
         "fedfa-weighted",
+        "fedfa-slices",
     }
 
     # Execute

@@ -143,11 +143,9 @@ def test_one_hostile_node_in_four_is_bounded_in_real_simulation(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["heterofl", "fedfa"])
+@pytest.mark.parametrize("scheme", ["heterofl", "flexifed", "nefl", "fedfa"])
 def test_submodel_schemes_train_slices_in_real_simulation(scheme: str, tmp_path: Path) -> None:
-    # a weak and a strong device pick different slices of preresnet26_025; the two ends
-    # of the family here (width only; width x depth with grafting), flexifed and nefl
-    # run on the in-process grid (tests/test_submodel_schemes.py)
+    # a weak and a strong device pick different slices of preresnet26_025
     run_config = (
         f"strategy='{scheme}' num-server-rounds=2 local-epochs=1 model-family='preresnet' "
         "submodel-widths='1,0.25' sim-device-profiles='cpu-small,jetson-orin'"

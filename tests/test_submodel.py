@@ -18,6 +18,7 @@ from strategies.submodel import (
     extract,
     graft,
     layer_norms,
+    roll_channels,
     scalable_aggregate,
     scaling_factors,
     section_depths,
@@ -431,3 +432,60 @@ def test_scalable_aggregation_rejects_an_unknown_target() -> None:
         scalable_aggregate(g, [{"w": np.ones(2)}], target="gradients")  # type: ignore[arg-type]
     with pytest.raises(AggregationError, match="nothing"):
         scalable_aggregate(g, [])
+
+
+def test_roll_channels_moves_every_cut_dimension_by_hand() -> None:
+    # Prepare: stem keeps its 3 inputs, the head its 3 outputs
+    g = toy_global()
+
+    # Execute
+    rolled = roll_channels(g, LAYOUT, 1)
+
+    # Assert: channel c moves to c + 1 (mod 4) on every dimension a width slice cuts
+    assert rolled["stem.weight"][1, 2, 0, 0] == g["stem.weight"][0, 2, 0, 0]
+    assert rolled["stem.weight"][0, 1, 0, 0] == g["stem.weight"][3, 1, 0, 0]
+    conv = "sections.0.1.conv.weight"
+    assert rolled[conv][1, 1, 0, 0] == g[conv][0, 0, 0, 0]
+    assert rolled[conv][0, 3, 0, 0] == g[conv][3, 2, 0, 0]
+    np.testing.assert_array_equal(rolled["head.weight"][:, 1], g["head.weight"][:, 0])
+    np.testing.assert_array_equal(rolled["head.bias"], g["head.bias"])
+    # a full cycle is the identity; the input is not changed
+    back = g
+    for _ in range(4):
+        back = roll_channels(back, LAYOUT, 1)
+    for key in g:
+        np.testing.assert_array_equal(back[key], g[key])
+    assert not np.array_equal(rolled[conv], g[conv])
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"), [("preresnet26_025", (1, 8, 8)), ("mobilenetv2_035", (3, 32, 32))]
+)
+def test_rolling_the_channels_of_a_real_model_keeps_its_function(
+    name: str, shape: tuple[int, ...]
+) -> None:
+    import torch
+
+    from models import get_model
+    from models.slicing import family_layout
+
+    # Prepare: random batch-norm statistics, so that they must move with their channels
+    torch.manual_seed(0)
+    model = get_model(name, input_shape=shape, num_classes=10)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.5, 2)
+    model.eval()
+    x = torch.randn(4, *shape)
+    before = model(x)
+    state = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+
+    # Execute
+    rolled = roll_channels(state, family_layout(name), 3)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in rolled.items()})
+
+    # Assert
+    changed = sum(not np.array_equal(state[k], rolled[k]) for k in state)
+    assert changed > len(state) // 3
+    torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-4)

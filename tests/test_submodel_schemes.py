@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from server_app.app import build_server
+from tessera import wire
 from tests.conftest import TINY_DIGITS, make_grid
 
 SUBMODEL = {
@@ -177,7 +178,7 @@ def test_batch_statistics_are_recomputed_from_scratch_on_server_data() -> None:
         )
 
 
-def test_nefl_and_basic_common_keep_their_private_entries_apart(
+def test_nefl_keeps_its_norm_entries_apart(
     run_config: Callable[..., dict[str, Any]], digits_bundle: Any, tmp_path: Path
 ) -> None:
     config = run_config({**SUBMODEL, "strategy": "nefl", "output-dir": str(tmp_path)})
@@ -187,15 +188,72 @@ def test_nefl_and_basic_common_keep_their_private_entries_apart(
     assert private and all("norm" in k or k.startswith("final.0.") for k in private)
     assert not any(k.endswith("conv1.weight") for k in private)
 
+
+def test_flexifed_shares_layers_only_along_the_common_prefix() -> None:
+    from strategies.flexifed import common_prefix, sharing
+
+    e = ((2,), "float32")
+    full = {"x": e, "y": e, "z": e, "w": e}  # a deep architecture
+    mid = {"x": e, "y": e, "z": e, "v": e}  # diverges at the fourth layer
+    small = {"x": e, "q": e}  # diverges at the second
+    assert common_prefix(full, mid) == 3 and common_prefix(full, small) == 1
+    assert common_prefix(full, {"x": ((3,), "float32"), "y": e}) == 0  # shape differs
+    specs = {"full": full, "mid": mid, "small": small}
+    every = frozenset(specs)
+
+    got = sharing(specs, "full", "max-common")
+    assert got == {
+        "x": every,
+        "y": frozenset({"full", "mid"}),
+        "z": frozenset({"full", "mid"}),
+        "w": frozenset({"full"}),
+    }
+    assert sharing(specs, "small", "max-common") == {"x": every, "q": frozenset({"small"})}
+    clustered = sharing(specs, "full", "clustered-common")
+    assert clustered == {"x": every, **{k: frozenset({"full"}) for k in "yzw"}}
+    basic = sharing(specs, "mid", "basic-common")
+    assert basic == {"x": every, **{k: frozenset() for k in "yzv"}}
+
+
+@pytest.mark.parametrize("strategy", ["max-common", "clustered-common", "basic-common"])
+def test_flexifed_strategies_keep_what_is_not_common_apart(
+    strategy: str,
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
+) -> None:
+    # Prepare: 4 nodes, two forced to the shallow slice, two to the full depth
+    shallow, deep = "preresnet26_025@w1-d2.2.2.2", "preresnet26_025@w1-d3.3.3.3"
     config = run_config(
-        {**SUBMODEL, "strategy": "flexifed", "flexifed-strategy": "basic-common"}
-        | {"output-dir": str(tmp_path)}
+        {**SUBMODEL, "strategy": "flexifed", "flexifed-strategy": strategy}
+        | {"num-server-rounds": 2, "min-nodes": 4, "output-dir": str(tmp_path), "run-name": "r"}
     )
-    flexi = build_server(config, bundle=digits_bundle).runner
-    flexi.assignment = {1: "preresnet26_025@w1-d2.2.2.2", 2: "preresnet26_025@w1-d3.3.3.3"}
-    deep = flexi.private_keys("preresnet26_025@w1-d3.3.3.3")
-    assert deep and all(k.startswith(tuple(f"sections.{s}.2." for s in range(4))) for k in deep)
-    assert flexi.private_keys("preresnet26_025@w1-d2.2.2.2") == frozenset()
+    server = build_server(config, bundle=digits_bundle).runner
+    grid = make_grid(config, 4)
+    for i, node in enumerate(sorted(grid.contexts)):
+        grid.contexts[node].node_config["arch"] = shallow if i % 2 else deep
+
+    # Execute
+    server.start(grid, num_rounds=2, timeout=60.0)
+
+    # Assert: the stem is one value across both models; the classifier is not
+    glob, own = server.sub_state(deep), server.sub_state(shallow)
+    stem = next(k for k in own if k.startswith("stem"))
+    np.testing.assert_array_equal(glob[stem], own[stem])
+    head = next(k for k in own if k == "head.weight")
+    assert not np.array_equal(glob[head], own[head])
+    assert not any(r.get("skipped") for r in server.rounds)
+    if strategy == "basic-common":  # every node has its own classifier, sent back to it
+        assert sorted(server.personal) == sorted(grid.contexts)
+        heads = [server.personal[n][head] for n in sorted(server.personal)]
+        assert not np.array_equal(heads[0], heads[2])
+        last = [m for m in grid.sent_of("train") if m.metadata.dst_node_id == 100][-1]
+        sent = last.content[wire.ARRAYS][head].numpy()
+        first = server.rounds[0]
+        assert first["round"] == 1 and not np.array_equal(sent, glob[head])
+    else:
+        assert server.personal == {}
 
 
 @pytest.mark.parametrize(
@@ -207,7 +265,7 @@ def test_nefl_and_basic_common_keep_their_private_entries_apart(
         ({"strategy": "heterofl", "aggregator": "median"}, "averages partial updates"),
         ({"strategy": "fedfa", "aggregator": "norm-clip"}, "use one of mean"),
         ({"strategy": "fedfa", "fedfa-trim": "x"}, "fedfa-trim"),
-        ({"strategy": "flexifed", "flexifed-strategy": "clustered-common"}, "not built"),
+        ({"strategy": "flexifed", "flexifed-strategy": "most-common"}, "flexifed-strategy"),
     ],
 )
 def test_bad_submodel_settings_are_refused_naming_the_key(
@@ -241,3 +299,91 @@ def test_a_node_naming_a_slice_the_scheme_does_not_train_is_rejected(
     server.start(grid, num_rounds=1, timeout=60.0)
     assert 100 not in server.nodes and 101 in server.nodes
     assert not server.rounds[0].get("skipped")
+
+
+def test_heterofl_rolling_moves_the_narrow_window_each_round(
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
+) -> None:
+    from models.spec import sub_channels
+    from strategies.submodel import roll_channels
+
+    # Prepare: one node, training a quarter of the channels
+    config = run_config(
+        {**SUBMODEL, "strategy": "heterofl", "heterofl-rolling": True}
+        | {"num-server-rounds": 2, "min-nodes": 1, "output-dir": str(tmp_path), "run-name": "r"}
+    )
+    server = build_server(config, bundle=digits_bundle).runner
+    initial = server.initial_arrays(server.global_name)
+    grid = make_grid(config, 1)
+    grid.contexts[100].node_config["arch"] = "preresnet26_025@w0.25-d3.3.3.3"
+
+    # Execute
+    server.start(grid, num_rounds=2, timeout=60.0)
+
+    # Assert: in the original channel order, round 1 trained channels 0..c-1 and
+    # round 2 channels 1..c: channel c changed, channel c+1 never did
+    assert [r.get("window_shift") for r in server.rounds] == [1, 1]
+    original = roll_channels(server.global_state, server.layout, 2)
+    key = "sections.1.0.conv1.weight"
+    channels = initial[key].shape[0]
+    c = sub_channels(channels, 0.25)
+    assert channels > c + 1
+    assert not np.array_equal(original[key][c], initial[key][c])
+    np.testing.assert_array_equal(original[key][c + 1 :], initial[key][c + 1 :])
+    assert not np.array_equal(original[key][0], initial[key][0])
+
+
+@pytest.fixture(scope="module")
+def digits_as(tmp_path_factory: pytest.TempPathFactory, digits_bundle: Any) -> dict[str, str]:
+    """Digits as 3 x 32 x 32 images (each pixel a 4 x 4 patch) and as 64-long vectors."""
+    root = tmp_path_factory.mktemp("digits-kinds")
+    train, test = digits_bundle.train, digits_bundle.test
+    n, m = 320, 120
+    images = {
+        "x_train": np.repeat(np.kron(train.x[:n], np.ones((1, 1, 4, 4))), 3, axis=1),
+        "x_test": np.repeat(np.kron(test.x[:m], np.ones((1, 1, 4, 4))), 3, axis=1),
+    }
+    flat = {"x_train": train.x[:n].reshape(n, -1), "x_test": test.x[:m].reshape(m, -1)}
+    labels = {"y_train": train.y[:n], "y_test": test.y[:m]}
+    out = {}
+    for kind, arrays in (("32x32", images), ("1-D", flat)):
+        path = root / f"{kind}.npz"
+        np.savez(path, **{k: v.astype(np.float32) for k, v in arrays.items()}, **labels)
+        out[kind] = f"npz:{path}"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["32x32", "1-D"])
+@pytest.mark.parametrize("scheme", ["heterofl", "flexifed", "nefl", "fedfa"])
+def test_every_submodel_scheme_runs_on_images_and_vectors(
+    scheme: str,
+    kind: str,
+    digits_as: dict[str, str],
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
+) -> None:
+    from tessera.data import load_bundle
+
+    # Prepare: a narrow-and-shallow slice beside the full model, one round
+    bundle = load_bundle(digits_as[kind])
+    config = run_config(
+        {**SUBMODEL, "strategy": scheme, "dataset": digits_as[kind], "model-family": ""}
+        | {"num-server-rounds": 1, "min-nodes": 2, "output-dir": str(tmp_path), "run-name": "r"}
+    )
+    server = build_server(config, bundle=bundle).runner
+    grid = make_grid(config, 2)
+    grid.contexts[100].node_config["arch"] = server.known_archs()[-1]
+
+    # Execute
+    server.start(grid, num_rounds=1, timeout=60.0)
+
+    # Assert: the default family, both slices trained and evaluated on this input kind
+    record = server.rounds[0]
+    assert server.global_name == "preresnet26_025" and server.env.input_shape == bundle.input_shape
+    assert not record.get("skipped") and record["num_ok"] == 2, record.get("skip_reason")
+    assert len(record["submodel_accuracy"]) == 2

@@ -32,7 +32,7 @@ from strategies.submodel.aggregate import (
     scaling_factors,
     trimmed_norm,
 )
-from strategies.submodel.extract import coverage_index, extract, prefix_index
+from strategies.submodel.extract import coverage_index, extract, prefix_index, roll_channels
 from strategies.submodel.graft import graft
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "graft",
     "layer_norms",
     "prefix_index",
+    "roll_channels",
     "scalable_aggregate",
     "scale_state",
     "scaling_factors",

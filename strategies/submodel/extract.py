@@ -148,3 +148,32 @@ def coverage_index(
             )
         index[key] = prefix_index(shape)
     return index
+
+
+def roll_channels(
+    state: Mapping[str, np.ndarray], layout: Layout, shift: int = 1
+) -> dict[str, np.ndarray]:
+    """Return ``state`` with every channel dimension rolled by ``shift`` (FedRolex's window).
+
+    Every dimension a width slice cuts (output channels, and input channels of
+    entries with two or more dimensions; not the inputs of
+    :attr:`~models.spec.Layout.keep_inputs` nor the outputs of
+    :attr:`~models.spec.Layout.keep_outputs`) is rolled with ``np.roll``, so channel
+    ``c`` moves to ``(c + shift) mod C``. Dimensions of equal size that meet in the
+    network (a layer's outputs, the next layer's inputs, a residual sum) move the same
+    way, so the model computes the same function; but the channel prefix a width
+    slice takes now starts ``shift`` channels further back. Rolling the global model
+    by one after every round therefore makes HeteroFL's prefix slices the rolling
+    window of FedRolex (Alam et al., NeurIPS 2022) without changing extraction or
+    coverage averaging.
+    """
+    out: dict[str, np.ndarray] = {}
+    for key, value in state.items():
+        array = np.asarray(value)
+        axes = []
+        if array.ndim >= 1 and key not in layout.keep_outputs:
+            axes.append(0)
+        if array.ndim >= 2 and key not in layout.keep_inputs:
+            axes.append(1)
+        out[key] = np.roll(array, shift, axis=tuple(axes)) if axes else array.copy()
+    return out

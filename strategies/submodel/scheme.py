@@ -260,17 +260,22 @@ class SubModelClient(ClientAlgorithm):
         super().__init__(run=run, options=options)
         self.present: torch.Tensor | None = None
 
+    def slice_axes(self) -> tuple[bool, bool]:
+        """Return whether a node may cut its slice in width and in depth."""
+        return self.width_flexible, self.depth_flexible
+
     def candidate_archs(self, family: str) -> list[str]:
         """Return the slices of the global model this scheme lets a node train."""
         from models.slicing import family_layout, full_spec
 
         global_name = resolve_global(self.options.global_model, family)
+        width, depth = self.slice_axes()
         specs = candidate_specs(
             full_spec(global_name),
             family_layout(global_name).min_depth,
             self.options.widths,
-            width=self.width_flexible,
-            depth=self.depth_flexible,
+            width=width,
+            depth=depth,
         )
         return [slice_name(global_name, s) for s in specs]
 
@@ -329,17 +334,22 @@ class SubModelStrategy(HeteroStrategy):
         self.global_name = resolve_global(self.options.global_model, self.env.family)
         self.layout: Layout = family_layout(self.global_name)
         self.full: SubModelSpec = full_spec(self.global_name)
+        width, depth = self.slice_axes()
         self.specs = candidate_specs(
             self.full,
             self.layout.min_depth,
             self.options.widths,
-            width=self.width_flexible,
-            depth=self.depth_flexible,
+            width=width,
+            depth=depth,
         )
         self.models = GroupModels(self.aggregator, self.group_initial)
         self._index: dict[str, dict[str, Index]] = {}
 
     # ------------------------------------------------------------------ slices
+    def slice_axes(self) -> tuple[bool, bool]:
+        """Return whether nodes may cut their slices in width and in depth."""
+        return self.width_flexible, self.depth_flexible
+
     def known_archs(self) -> list[str]:
         """Return the slices a node may name in the handshake."""
         return [slice_name(self.global_name, s) for s in self.specs]
