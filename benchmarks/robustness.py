@@ -57,8 +57,6 @@ in which a clean ``fedavg`` is well past chance (one epoch leaves it near 40 %).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import gc
 import json
 import logging
@@ -68,12 +66,19 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import (
+    ROOT,
+    client_handlers,
+    default_run_config,
+    mean_std,
+    run_cells,
+)
+
 sys.path.insert(0, str(ROOT))
 
 ALL_ATTACKS = ("label-flip", "backdoor", "boost", "sign-flip", "noise", "free-rider")
@@ -185,15 +190,6 @@ def make_cells(
     return out
 
 
-def default_run_config() -> dict[str, Any]:
-    """Return the ``[tool.flwr.app.config]`` table of pyproject.toml (the real defaults)."""
-    import tomllib
-
-    with (ROOT / "pyproject.toml").open("rb") as fh:
-        table = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
-    return dict(table)
-
-
 def cell_run_config(
     cell: Cell, *, nodes: int, rounds: int, local_epochs: int, output_dir: Path
 ) -> dict[str, Any]:
@@ -248,72 +244,6 @@ def cell_run_config(
     else:
         config["aggregator"] = rule
     return config
-
-
-def client_handlers() -> dict[str, Any]:
-    """Return the real ClientApp handlers by message type."""
-    from client_app.app import evaluate, handshake, train
-    from tessera import wire
-
-    return {wire.HANDSHAKE: handshake, "train": train, "evaluate": evaluate}
-
-
-@contextlib.contextmanager
-def fast_clients(bundle: Any) -> Iterator[None]:
-    """Serve the ClientApp's three slow pure look-ups from memory, on one torch thread.
-
-    ``load_bundle`` (the dataset), ``candidate_costs`` (which builds every model of a
-    family to measure it) and ``partition_indices`` (flwr-datasets partitioners, run
-    for every partition on every call) give the same result for the same arguments;
-    keeping them makes each handshake and train call fast without changing what it
-    computes. The partitions are handed out as copies.
-    """
-    from unittest import mock
-
-    import numpy as np
-    import torch
-
-    import client_app.app
-    import client_app.selection
-    import tessera.data
-
-    real_load = tessera.data.load_bundle  # what client_app.app imported
-    costs = functools.cache(client_app.selection.candidate_costs)
-    real_partition = tessera.data.partition_indices
-    partitions: dict[tuple[Any, ...], list[Any]] = {}
-
-    def partition_indices(labels: Any, *, num_partitions: int, config: Any) -> list[Any]:
-        y = np.asarray(labels)
-        key = (y.dtype.str, y.shape, y.tobytes(), num_partitions, config)
-        if key not in partitions:
-            partitions[key] = real_partition(y, num_partitions=num_partitions, config=config)
-        return [p.copy() for p in partitions[key]]
-
-    def load_bundle(spec: Any) -> Any:
-        return bundle if spec == bundle.name else real_load(spec)
-
-    def candidate_costs(
-        family: str,
-        input_shape: Any,
-        num_classes: int,
-        *,
-        norm: str = "batch",
-        names: Any = None,
-    ) -> Any:
-        chosen = None if names is None else tuple(names)
-        return costs(family, tuple(input_shape), num_classes, norm=norm, names=chosen)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with (
-            mock.patch.object(client_app.app, "load_bundle", load_bundle),
-            mock.patch.object(client_app.selection, "candidate_costs", candidate_costs),
-            mock.patch.object(tessera.data, "partition_indices", partition_indices),
-        ):
-            yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run_cell(
@@ -395,17 +325,6 @@ def run_cell(
     }
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows already in a ``cells.jsonl`` (an unfinished last line is ignored)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            rows.append(json.loads(line))
-    return rows
-
-
 def run_grid(
     cells: Sequence[Cell],
     *,
@@ -416,7 +335,7 @@ def run_grid(
     bundle: Any = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Run every cell not yet in ``jsonl``, appending one line per cell as it finishes.
+    """Run every cell not yet in ``jsonl`` (:func:`benchmarks.harness.run_cells`).
 
     Parameters
     ----------
@@ -436,49 +355,26 @@ def run_grid(
     list[dict[str, Any]]
         The rows of ``cells`` (those found in ``jsonl`` and those run now), in order.
     """
-    from tessera.data import load_bundle
 
-    same = (nodes, rounds, local_epochs)
-    done = {
-        r["key"]: r
-        for r in read_rows(jsonl)
-        if (r.get("nodes"), r.get("rounds"), r.get("local_epochs")) == same
-    }
-    todo = [c for c in cells if c.key not in done]
-    log(f"part A: {len(cells)} federations, {len(cells) - len(todo)} already done")
-    if todo:
-        bundle = bundle if bundle is not None else load_bundle("digits")
-        jsonl.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        with fast_clients(bundle), jsonl.open("a") as fh:
-            for i, cell in enumerate(todo, 1):
-                row = run_cell(
-                    cell, nodes=nodes, rounds=rounds, local_epochs=local_epochs, bundle=bundle
-                )
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
-                done[cell.key] = row
-                elapsed = time.monotonic() - started
-                left = elapsed / i * (len(todo) - i)
-                acc = row["global_accuracy"] if cell.scheme == "fedavg" else row["honest_accuracy"]
-                log(
-                    f"  [{i}/{len(todo)}] {cell.key:52s} acc {_pct(acc):>5s} "
-                    f"({row['seconds']:.1f} s; ~{left / 60:.0f} min left)"
-                )
-    return [done[c.key] for c in cells]
+    def summary(row: dict[str, Any]) -> str:
+        fedavg = row["scheme"] == "fedavg"
+        return f"acc {_pct(row['global_accuracy'] if fedavg else row['honest_accuracy']):>5s}"
+
+    return run_cells(
+        cells,
+        run=lambda cell, data: run_cell(
+            cell, nodes=nodes, rounds=rounds, local_epochs=local_epochs, bundle=data
+        ),
+        same={"nodes": nodes, "rounds": rounds, "local_epochs": local_epochs},
+        jsonl=jsonl,
+        bundle=bundle,
+        log=log,
+        summary=summary,
+    )
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
-
-
-def mean_std(values: Sequence[float | None]) -> str:
-    """Return ``mean ± std`` in percent (population std over seeds), ``-`` when empty."""
-    kept = [v for v in values if v is not None]
-    if not kept:
-        return "-"
-    std = statistics.pstdev(kept) if len(kept) > 1 else 0.0
-    return f"{100 * statistics.fmean(kept):.1f} ± {100 * std:.1f}"
 
 
 def accuracy_tables(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -1,0 +1,189 @@
+"""What the benchmarks that run federations share: fast in-process clients and a resumable grid.
+
+The federations run real ClientApps (the project's own handlers) in-process on
+:class:`tessera.local_grid.LocalGrid`; :func:`fast_clients` serves the ClientApp's slow
+pure look-ups from memory; :func:`run_cells` runs the cells not yet in a
+``cells.jsonl`` and appends one line per finished cell, so an interrupted benchmark
+resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CellLike(Protocol):
+    """A federation of a benchmark grid: anything with a unique ``key``."""
+
+    @property
+    def key(self) -> str:
+        """A unique name of the cell (resume key)."""
+        ...
+
+
+def default_run_config() -> dict[str, Any]:
+    """Return the ``[tool.flwr.app.config]`` table of pyproject.toml (the real defaults)."""
+    import tomllib
+
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        table = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    return dict(table)
+
+
+def client_handlers() -> dict[str, Any]:
+    """Return the real ClientApp handlers by message type."""
+    from client_app.app import evaluate, handshake, train
+    from tessera import wire
+
+    return {wire.HANDSHAKE: handshake, "train": train, "evaluate": evaluate}
+
+
+@contextlib.contextmanager
+def fast_clients(bundle: Any) -> Iterator[None]:
+    """Serve the ClientApp's three slow pure look-ups from memory, on one torch thread.
+
+    ``load_bundle`` (the dataset), ``candidate_costs`` (which builds every model of a
+    family to measure it) and ``partition_indices`` (flwr-datasets partitioners, run
+    for every partition on every call) give the same result for the same arguments;
+    keeping them makes each handshake and train call fast without changing what it
+    computes. The partitions are handed out as copies.
+    """
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    import client_app.app
+    import client_app.selection
+    import tessera.data
+
+    real_load = tessera.data.load_bundle  # what client_app.app imported
+    costs = functools.cache(client_app.selection.candidate_costs)
+    real_partition = tessera.data.partition_indices
+    partitions: dict[tuple[Any, ...], list[Any]] = {}
+
+    def partition_indices(labels: Any, *, num_partitions: int, config: Any) -> list[Any]:
+        y = np.asarray(labels)
+        key = (y.dtype.str, y.shape, y.tobytes(), num_partitions, config)
+        if key not in partitions:
+            partitions[key] = real_partition(y, num_partitions=num_partitions, config=config)
+        return [p.copy() for p in partitions[key]]
+
+    def load_bundle(spec: Any) -> Any:
+        return bundle if spec == bundle.name else real_load(spec)
+
+    def candidate_costs(
+        family: str,
+        input_shape: Any,
+        num_classes: int,
+        *,
+        norm: str = "batch",
+        names: Any = None,
+    ) -> Any:
+        chosen = None if names is None else tuple(names)
+        return costs(family, tuple(input_shape), num_classes, norm=norm, names=chosen)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with (
+            mock.patch.object(client_app.app, "load_bundle", load_bundle),
+            mock.patch.object(client_app.selection, "candidate_costs", candidate_costs),
+            mock.patch.object(tessera.data, "partition_indices", partition_indices),
+        ):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows already in a ``cells.jsonl`` (an unfinished last line is ignored)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def run_cells(
+    cells: Sequence[CellLike],
+    *,
+    run: Callable[[Any, Any], dict[str, Any]],
+    same: Mapping[str, Any],
+    jsonl: Path,
+    bundle: Any = None,
+    log: Callable[[str], None] = print,
+    summary: Callable[[dict[str, Any]], str] = lambda row: "",
+) -> list[dict[str, Any]]:
+    """Run every cell not yet in ``jsonl``, appending one line per cell as it finishes.
+
+    Parameters
+    ----------
+    cells : Sequence[CellLike]
+        The federations.
+    run : Callable[[cell, bundle], dict]
+        Runs one cell and returns its row (which must hold ``key``, ``seconds`` and
+        the fields of ``same``).
+    same : Mapping[str, Any]
+        Settings a row found in ``jsonl`` must match to count as done (federation
+        size and length).
+    jsonl : Path
+        Results file (created if absent; rows of other cells are kept).
+    bundle : DataBundle, optional
+        The digits dataset; loaded when omitted and something is left to run.
+    log : Callable[[str], None], optional
+        Progress printer.
+    summary : Callable[[dict], str], optional
+        What the progress line says of a finished row.
+
+    Returns
+    -------
+    list[dict[str, Any]]
+        The rows of ``cells`` (those found in ``jsonl`` and those run now), in order.
+    """
+    from tessera.data import load_bundle
+
+    done = {
+        r["key"]: r
+        for r in read_rows(jsonl)
+        if all(r.get(name) == value for name, value in same.items())
+    }
+    todo = [c for c in cells if c.key not in done]
+    log(f"{len(cells)} federations, {len(cells) - len(todo)} already done")
+    if todo:
+        bundle = bundle if bundle is not None else load_bundle("digits")
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        width = max(len(c.key) for c in todo)
+        with fast_clients(bundle), jsonl.open("a") as fh:
+            for i, cell in enumerate(todo, 1):
+                row = run(cell, bundle)
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                done[cell.key] = row
+                left = (time.monotonic() - started) / i * (len(todo) - i)
+                log(
+                    f"  [{i}/{len(todo)}] {cell.key:{width}s} {summary(row)} "
+                    f"({row['seconds']:.1f} s; ~{left / 60:.0f} min left)"
+                )
+    return [done[c.key] for c in cells]
+
+
+def mean_std(values: Sequence[float | None]) -> str:
+    """Return ``mean ± std`` in percent (population std over seeds), ``-`` when empty."""
+    kept = [v for v in values if v is not None]
+    if not kept:
+        return "-"
+    std = statistics.pstdev(kept) if len(kept) > 1 else 0.0
+    return f"{100 * statistics.fmean(kept):.1f} ± {100 * std:.1f}"
