@@ -46,7 +46,7 @@ Usage::
 
     .venv/bin/python benchmarks/submodel.py [--variants fedfa,nefl,...]
         [--partitioners iid,noniid] [--seeds 0,1,2] [--scenarios clean,l1-1,l1-20,l20-20]
-        [--nodes 10] [--rounds 8] [--local-epochs 1] [--out DIR]
+        [--nodes 10] [--rounds 8] [--local-epochs 1] [--out DIR] [--report]
 
 The defaults (210 federations) take about 45 minutes on two shared CPU cores (one
 torch thread).
@@ -67,7 +67,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import ROOT, client_handlers, default_run_config, mean_std, run_cells
+from benchmarks.harness import (
+    ROOT,
+    client_handlers,
+    default_run_config,
+    mean_std,
+    read_rows,
+    run_cells,
+)
 
 GLOBAL_MODEL = "preresnet26_025"
 
@@ -571,6 +578,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--log-level", default="ERROR", help="Flower/Tessera log level")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: tables and plot from the cells already in --out/cells.jsonl",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-submodel")
     args = parser.parse_args(argv)
     for flag, allowed in (
@@ -600,14 +612,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds=[int(s) for s in _list(args.seeds)],
         scenarios=_list(args.scenarios),
     )
-    rows = run_grid(
-        cells,
-        nodes=args.nodes,
-        rounds=args.rounds,
-        local_epochs=args.local_epochs,
-        jsonl=args.out / "cells.jsonl",
-        log=lambda line: print(line, flush=True),
-    )
+    if args.report:
+        same = (args.nodes, args.rounds, args.local_epochs)
+        wanted = {c.key for c in cells}
+        rows = [
+            r
+            for r in read_rows(args.out / "cells.jsonl")
+            if r["key"] in wanted and (r["nodes"], r["rounds"], r["local_epochs"]) == same
+        ]
+        print(f"{len(rows)} of {len(cells)} federations found in {args.out / 'cells.jsonl'}")
+    else:
+        rows = run_grid(
+            cells,
+            nodes=args.nodes,
+            rounds=args.rounds,
+            local_epochs=args.local_epochs,
+            jsonl=args.out / "cells.jsonl",
+            log=lambda line: print(line, flush=True),
+        )
     table = "\n".join([accuracy_table(rows), ratio_table(rows), cost_table(rows)])
     print("\n" + table)
     (args.out / "tables.md").write_text(table)

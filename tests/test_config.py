@@ -75,6 +75,7 @@ def test_to_dict_uses_kebab_case_keys_of_pyproject(default_run_config: dict[str,
         "fedfa-percentile",
         "fedfa-weighted",
         "fedfa-slices",
+        "fedfa-max-factor",
     }
 
     # Execute

@@ -357,6 +357,18 @@ def test_scaling_factors_for_a_three_client_cohort_by_hand() -> None:
         scaling_factors([{"w": math.nan}])
 
 
+def test_scaling_factors_are_bounded_above_only() -> None:
+    # layer w: norms 0.002, 1.998, 28 -> mean 10: factors 5000 and 5.005 (bound 6), 10/28
+    norms = [{"w": 0.002}, {"w": 1.998}, {"w": 28.0}]
+    factors = scaling_factors(norms, max_factor=6.0)
+    assert factors[0]["w"] == 6.0  # 10 / 0.002 = 5000, bounded
+    assert factors[1]["w"] == pytest.approx(10.0 / 1.998)  # under the bound
+    assert factors[2]["w"] == pytest.approx(10.0 / 28.0)  # scaling down is not bounded
+    assert scaling_factors(norms)[0]["w"] == pytest.approx(5000.0)
+    with pytest.raises(ValueError, match="max_factor"):
+        scaling_factors(norms, max_factor=0.5)
+
+
 def test_scalable_aggregation_of_updates_by_hand() -> None:
     # Prepare: global 1s; updates A (width 0.5) [3, 4], B [6, 8, 0, 0], C [0, 0, 9, 12]
     g = {"w": np.ones(4)}

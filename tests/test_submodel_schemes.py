@@ -265,6 +265,8 @@ def test_flexifed_strategies_keep_what_is_not_common_apart(
         ({"strategy": "heterofl", "aggregator": "median"}, "averages partial updates"),
         ({"strategy": "fedfa", "aggregator": "norm-clip"}, "use one of mean"),
         ({"strategy": "fedfa", "fedfa-trim": "x"}, "fedfa-trim"),
+        ({"strategy": "fedfa", "fedfa-max-factor": 0.5}, "fedfa-max-factor"),
+        ({"strategy": "fedfa", "fedfa-slices": "deep"}, "fedfa-slices"),
         ({"strategy": "flexifed", "flexifed-strategy": "most-common"}, "flexifed-strategy"),
     ],
 )

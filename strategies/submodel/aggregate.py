@@ -217,22 +217,33 @@ def layer_norms(
     }
 
 
-def scaling_factors(norms: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
+def scaling_factors(
+    norms: Sequence[Mapping[str, float]], *, max_factor: float = math.inf
+) -> list[dict[str, float]]:
     """Return FedFA's factor per client and layer: the cohort's mean norm over the client's.
 
     The mean of a layer is over the clients that have it. A client whose norm is 0
-    gets factor 1 (scaling a zero changes nothing).
+    gets factor 1 (scaling a zero changes nothing). A factor is at most
+    ``max_factor``: the paper's factor is unbounded, and a layer whose update
+    happens to be tiny (a narrow slice's normalisation layer holds two values, one
+    of which the trim drops) is otherwise multiplied by thousands, which destroyed
+    the global model in our runs (``benchmarks/submodel.py``). Scaling *down* (the
+    defence against an oversized update) is not bounded.
 
     Parameters
     ----------
     norms : Sequence[Mapping[str, float]]
         Per client, the trimmed norm of each layer (:func:`layer_norms`).
+    max_factor : float, optional
+        Largest factor (unbounded by default, as in the paper).
 
     Returns
     -------
     list[dict[str, float]]
         Per client, the factor of each of its layers.
     """
+    if not max_factor >= 1:
+        raise ValueError(f"max_factor must be >= 1, got {max_factor!r}")
     totals: dict[str, list[float]] = {}
     for client in norms:
         for key, n in client.items():
@@ -241,7 +252,8 @@ def scaling_factors(norms: Sequence[Mapping[str, float]]) -> list[dict[str, floa
             totals.setdefault(key, []).append(float(n))
     means = {key: math.fsum(values) / len(values) for key, values in totals.items()}
     return [
-        {key: means[key] / n if n > 0 else 1.0 for key, n in client.items()} for client in norms
+        {key: min(means[key] / n, max_factor) if n > 0 else 1.0 for key, n in client.items()}
+        for client in norms
     ]
 
 
@@ -281,6 +293,7 @@ def scalable_aggregate(
     target: Target = "updates",
     percentile: float = 95.0,
     trim: Trim = "magnitude",
+    max_factor: float = math.inf,
 ) -> dict[str, np.ndarray]:
     """FedFA's scalable aggregation of (grafted) sub-models (module docstring).
 
@@ -300,6 +313,8 @@ def scalable_aggregate(
         Values kept for the norm, 95 in the paper.
     trim : {"magnitude", "signed", "central"}
         Which values are "under the percentile" (default ``"magnitude"``).
+    max_factor : float
+        Largest scaling factor (:func:`scaling_factors`).
 
     Returns
     -------
@@ -318,7 +333,7 @@ def scalable_aggregate(
         layer_norms(global_state, state, index, target=target, percentile=percentile, trim=trim)
         for state, index in zip(states, where, strict=True)
     ]
-    factors = scaling_factors(norms)
+    factors = scaling_factors(norms, max_factor=max_factor)
     scaled = [
         scale_state(global_state, state, index, f, target=target)
         for state, index, f in zip(states, where, factors, strict=True)
