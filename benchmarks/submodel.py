@@ -475,8 +475,8 @@ def ratio_table(rows: Sequence[Mapping[str, Any]]) -> str:
     out.append(
         "\nDrop = clean accuracy − attacked accuracy (percentage points, mean over seeds; the "
         "`λ=1, 1 %` scenario against the clean 100-client run). A drop ratio above 1 means "
-        "the baseline lost more than FedFA; `(b, f)` gives both drops when one is ≤ 0.5 "
-        "points, where a ratio means nothing.\n"
+        "the baseline lost more than FedFA; `(b, f)` gives both drops when either is ≤ 0.5 "
+        "points (or negative), where a ratio means nothing.\n"
     )
     return "\n".join(out)
 
@@ -494,7 +494,7 @@ def _drop(
 def _drop_ratio(base: float | None, fedfa: float | None) -> str:
     if base is None or fedfa is None:
         return "-"
-    if abs(fedfa) <= 0.5 or abs(base) <= 0.5:
+    if fedfa <= 0.5 or base <= 0.5:  # one of them lost (almost) nothing: no ratio
         return f"({base:+.1f}, {fedfa:+.1f})"
     return f"{base / fedfa:.2f}"
 
