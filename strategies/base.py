@@ -436,11 +436,10 @@ class HeteroStrategy:
         return RecordDict({wire.CONFIG: self.train_config(ctx, node_id, arch)})
 
     def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
-        """Build the ``config`` record: round, scheme, architecture and task shape."""
+        """Build the ``config`` record: round, architecture and task shape."""
         return ConfigRecord(
             {
                 "server-round": ctx.server_round,
-                "scheme": self.name,
                 "arch": arch,
                 "num-classes": self.env.num_classes,
                 "input-shape": list(self.env.input_shape),

@@ -10,14 +10,19 @@ Flower's simulation grid, it makes clients emulate run-config ``sim-device-profi
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import tomllib
 from flwr.app import Array, Context, Message, RecordDict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (JetPack 6): tomli is what tomllib was made from; flwr depends on it
+    import tomli as tomllib
 
 from tessera.local_grid import (
     Handler,
