@@ -64,11 +64,11 @@ def fast_clients(bundle: Any) -> Iterator[None]:
 
     import client_app.app
     import client_app.selection
-    import tessera.data
+    import tessera.data.splits
 
     real_load = tessera.data.load_bundle  # what client_app.app imported
     costs = functools.cache(client_app.selection.candidate_costs)
-    real_partition = tessera.data.partition_indices
+    real_partition = tessera.data.splits.partition_indices  # what client_data calls
     partitions: dict[tuple[Any, ...], list[Any]] = {}
 
     def partition_indices(labels: Any, *, num_partitions: int, config: Any) -> list[Any]:
@@ -98,7 +98,7 @@ def fast_clients(bundle: Any) -> Iterator[None]:
         with (
             mock.patch.object(client_app.app, "load_bundle", load_bundle),
             mock.patch.object(client_app.selection, "candidate_costs", candidate_costs),
-            mock.patch.object(tessera.data, "partition_indices", partition_indices),
+            mock.patch.object(tessera.data.splits, "partition_indices", partition_indices),
         ):
             yield
     finally:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tessera import data
 from tessera.data import (
     ArrayDataset,
     DataError,
@@ -24,8 +23,8 @@ from tessera.data import (
     bundle_from_hf,
     client_data,
     detect_hf_columns,
-    federation_data,
     load_bundle,
+    loaders,
     local_data,
     parse_dataset_spec,
     partition_indices,
@@ -354,18 +353,6 @@ def test_partition_config_validation(kwargs: dict[str, Any], expected: str) -> N
         PartitionConfig(**kwargs)
 
 
-def test_partition_config_parse() -> None:
-    assert PartitionConfig.parse("iid") == PartitionConfig("iid")
-    assert PartitionConfig.parse("dirichlet:0.1", seed=3) == PartitionConfig(
-        "dirichlet", alpha=0.1, seed=3
-    )
-    assert PartitionConfig.parse("pathological:3").classes_per_client == 3
-    with pytest.raises(DataError, match="'x'"):
-        PartitionConfig.parse("dirichlet:x")
-    with pytest.raises(DataError, match="'iid:4'"):
-        PartitionConfig.parse("iid:4")
-
-
 # --------------------------------------------------------------------------- #
 # Server pool, federation and clients
 # --------------------------------------------------------------------------- #
@@ -386,7 +373,8 @@ def test_server_pool_and_client_splits_never_overlap(
     bundle = load_bundle(f"npz:{_id_npz(tmp_path)}")
 
     # Execute
-    fed = federation_data(bundle, num_partitions=6, partition=config, pool_fraction=0.2)
+    client_pool, server_pool = split_server_pool(bundle, pool_fraction=0.2, seed=config.seed)
+    parts = partition_indices(client_pool.y, num_partitions=6, config=config)
     clients = [
         client_data(
             bundle,
@@ -400,7 +388,7 @@ def test_server_pool_and_client_splits_never_overlap(
     ]
 
     # Assert
-    pool = _ids(fed.server_pool)
+    pool = _ids(server_pool)
     assert len(pool) == 60  # 20% of 300, stratified
     seen = set(pool)
     for pid, (train, test) in enumerate(clients):
@@ -408,12 +396,10 @@ def test_server_pool_and_client_splits_never_overlap(
         assert not own & seen, f"client {pid} overlaps earlier data"
         assert not _ids(train) & _ids(test)
         assert len(train) >= 1
-        assert len(own) == fed.partition_sizes[pid]
+        assert own == _ids(client_pool.subset(parts[pid]))  # exactly its partition
+        assert len(test) == round(0.25 * len(parts[pid]))
         seen |= own
     assert seen == set(range(300))  # pool + all clients = whole train split
-    np.testing.assert_array_equal(fed.global_test.x, bundle.test.x)
-    np.testing.assert_array_equal(fed.global_test.y, bundle.test.y)
-    assert fed.label_counts.shape == (6, 5)
 
 
 def test_split_server_pool_is_stratified_and_seeded() -> None:
@@ -628,7 +614,7 @@ def test_hub_failure_becomes_data_error(monkeypatch: pytest.MonkeyPatch) -> None
         def __init__(self, **kwargs: Any) -> None:
             raise ConnectionError("Failed to resolve huggingface.co")
 
-    monkeypatch.setattr(data, "FederatedDataset", Offline)
+    monkeypatch.setattr(loaders, "FederatedDataset", Offline)
     with pytest.raises(DataError, match=r"'uoft-cs/cifar10'.*unreachable.*npz:<path>"):
         load_bundle("cifar10")
 
@@ -646,7 +632,7 @@ def test_hf_load_through_federated_dataset(monkeypatch: pytest.MonkeyPatch) -> N
                 raise ValueError(f"The given split: '{split}' is not present")
             return splits[split]
 
-    monkeypatch.setattr(data, "FederatedDataset", Fake)
+    monkeypatch.setattr(loaders, "FederatedDataset", Fake)
     bundle = load_bundle("hf:mnist")
     assert calls == [{"dataset": "ylecun/mnist", "partitioners": {"train": 1}}]
     assert bundle.name == "hf:ylecun/mnist" and bundle.input_shape == (3, 6, 5)
