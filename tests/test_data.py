@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import flwr_datasets
 import numpy as np
 import pytest
 from PIL import Image
@@ -24,7 +25,6 @@ from tessera.data import (
     client_data,
     detect_hf_columns,
     load_bundle,
-    loaders,
     local_data,
     parse_dataset_spec,
     partition_indices,
@@ -614,7 +614,7 @@ def test_hub_failure_becomes_data_error(monkeypatch: pytest.MonkeyPatch) -> None
         def __init__(self, **kwargs: Any) -> None:
             raise ConnectionError("Failed to resolve huggingface.co")
 
-    monkeypatch.setattr(loaders, "FederatedDataset", Offline)
+    monkeypatch.setattr(flwr_datasets, "FederatedDataset", Offline)
     with pytest.raises(DataError, match=r"'uoft-cs/cifar10'.*unreachable.*npz:<path>"):
         load_bundle("cifar10")
 
@@ -632,7 +632,7 @@ def test_hf_load_through_federated_dataset(monkeypatch: pytest.MonkeyPatch) -> N
                 raise ValueError(f"The given split: '{split}' is not present")
             return splits[split]
 
-    monkeypatch.setattr(loaders, "FederatedDataset", Fake)
+    monkeypatch.setattr(flwr_datasets, "FederatedDataset", Fake)
     bundle = load_bundle("hf:mnist")
     assert calls == [{"dataset": "ylecun/mnist", "partitioners": {"train": 1}}]
     assert bundle.name == "hf:ylecun/mnist" and bundle.input_shape == (3, 6, 5)

@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-from flwr_datasets import FederatedDataset
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from tessera.data.arrays import (
     ArrayDataset,
@@ -22,6 +19,9 @@ from tessera.data.arrays import (
     split_arrays,
 )
 from tessera.data.spec import DatasetSpec, parse_dataset_spec
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ def load_bundle(spec: DatasetSpec | str) -> DataBundle:
 
 def _load_digits() -> DataBundle:
     """Load sklearn digits with a fixed seeded stratified 80/20 split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     raw = load_digits()
     x = (np.asarray(raw.images, dtype=np.float32) / np.float32(16.0))[:, None, :, :]
     y = np.asarray(raw.target, dtype=np.int64)
@@ -226,6 +229,8 @@ def detect_hf_columns(features: datasets.Features) -> tuple[str, str]:
     DataError
         If either column cannot be found.
     """
+    import datasets
+
     image_col = next((c for c in HF_IMAGE_COLUMNS if c in features), None)
     if image_col is None:
         image_col = next((c for c, f in features.items() if isinstance(f, datasets.Image)), None)
@@ -302,6 +307,8 @@ def bundle_from_hf(train: datasets.Dataset, test: datasets.Dataset, *, name: str
     DataError
         If a split cannot be converted.
     """
+    import datasets
+
     x_train, y_train = arrays_from_hf(train, what=f"{name} train")
     x_test, y_test = arrays_from_hf(test, what=f"{name} test")
     _, label_col = detect_hf_columns(train.features)
@@ -312,6 +319,8 @@ def bundle_from_hf(train: datasets.Dataset, test: datasets.Dataset, *, name: str
 
 def _load_hf_bundle(dataset_id: str, *, name: str) -> DataBundle:
     """Download (or read from the local HF cache) a hub dataset."""
+    from flwr_datasets import FederatedDataset
+
     try:
         fds = FederatedDataset(dataset=dataset_id, partitioners={"train": 1})
         train = fds.load_split("train")

@@ -11,20 +11,17 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import numpy.typing as npt
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
-from sklearn.model_selection import train_test_split
 
 from tessera.data.arrays import ArrayDataset, DataBundle, DataError, IntArray, as_labels
 from tessera.data.spec import PartitionConfig
+
+if TYPE_CHECKING:
+    import datasets
+    from flwr_datasets.partitioner import Partitioner
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +38,8 @@ def two_way_split(labels: IntArray, n_second: int, seed: int) -> tuple[IntArray,
     Stratified by label when every class can appear on both sides, otherwise a
     plain seeded random split.
     """
+    from sklearn.model_selection import train_test_split
+
     n = int(labels.shape[0])
     everything = np.arange(n, dtype=np.int64)
     if n_second == 0:
@@ -137,6 +136,13 @@ def _warnings_to_log() -> Iterator[None]:
 def _make_partitioner(
     num_partitions: int, config: PartitionConfig, *, min_partition_size: int
 ) -> Partitioner:
+    """Build the flwr-datasets partitioner of ``config``."""
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
     if config.scheme == "iid":
         return IidPartitioner(num_partitions=num_partitions)
     if config.scheme == "dirichlet":
@@ -226,6 +232,8 @@ def partition_indices(
             f"{num_present} classes present in the client pool; use at most "
             f"{num_present}"
         )
+    import datasets
+
     dataset = datasets.Dataset.from_dict({"label": y, "idx": np.arange(n, dtype=np.int64)})
     if config.scheme == "iid":
         dataset = dataset.shuffle(seed=config.seed)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-from matplotlib import colormaps
-from matplotlib.figure import Figure
 
 from tessera.data.arrays import DataError
 
@@ -35,6 +33,9 @@ def plot_label_distribution(label_counts: npt.ArrayLike, path: Path, *, title: s
     DataError
         If ``label_counts`` is not a non-empty 2-D array of counts >= 0.
     """
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
     counts = np.asarray(label_counts)
     if (
         counts.ndim != 2
