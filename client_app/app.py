@@ -43,7 +43,14 @@ from strategies.client import (
 )
 from tessera import wire
 from tessera.config import ConfigError, NodeConfig, RunConfig
-from tessera.data import ArrayDataset, PartitionConfig, client_data, load_bundle, local_data
+from tessera.data import (
+    ArrayDataset,
+    PartitionConfig,
+    load_bundle,
+    node_cache_dir,
+    node_local_data,
+    node_partition_data,
+)
 from tessera.node_state import NodeState
 from tessera.training import (
     OptimConfig,
@@ -101,24 +108,33 @@ def load_node_data(run: RunConfig, node: NodeConfig) -> NodeData:
     """Load this node's train and local-test data (its partition or its own file).
 
     The class count is the federation's (from the whole dataset), not the largest
-    label this node happens to hold.
+    label this node happens to hold. The data is loaded and split once and then
+    reused: in memory within this process, and across processes (a deployed
+    ClientApp is a fresh process per message) in ``<state-dir>/.data-cache`` when
+    node-config ``state-dir`` is set (:mod:`tessera.data.cache`). The arrays are
+    shared with later messages: copy them before changing them in place.
     """
+    cache_dir = node_cache_dir(node.state_dir)
     if node.data_path is not None:
-        train, test, num_classes, input_shape = local_data(
-            node.data_path, test_fraction=run.local_test_fraction, seed=run.seed
+        own = node_local_data(
+            node.data_path,
+            test_fraction=run.local_test_fraction,
+            seed=run.seed,
+            cache_dir=cache_dir,
         )
-        return NodeData(train, test, num_classes, tuple(input_shape), -1)
+        return NodeData(own.train, own.test, own.num_classes, own.input_shape, -1)
     assert node.partition_id is not None and node.num_partitions is not None
-    bundle = load_bundle(run.dataset)
-    train, test = client_data(
-        bundle,
+    part = node_partition_data(
+        run.dataset,
         partition_id=node.partition_id,
         num_partitions=node.num_partitions,
         partition=partition_config(run),
         pool_fraction=run.server_pool_fraction,
         test_fraction=run.local_test_fraction,
+        cache_dir=cache_dir,
+        load=load_bundle,  # looked up per call: tests and benchmarks replace it
     )
-    return NodeData(train, test, bundle.num_classes, bundle.input_shape, node.partition_id)
+    return NodeData(part.train, part.test, part.num_classes, part.input_shape, node.partition_id)
 
 
 def _task_shape(config: ConfigRecord, data: NodeData) -> tuple[int, tuple[int, ...]]:

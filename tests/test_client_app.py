@@ -13,11 +13,20 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 import client_app.app
-from client_app.app import STATE_MODEL, STATE_MODEL_META, STATE_NODE, evaluate, handshake, train
+from client_app.app import (
+    STATE_MODEL,
+    STATE_MODEL_META,
+    STATE_NODE,
+    evaluate,
+    handshake,
+    load_node_data,
+    train,
+)
 from client_app.device import DeviceProfileError
 from models import get_model, model_entry
 from tessera import wire
-from tessera.config import ConfigError
+from tessera.config import ConfigError, NodeConfig, RunConfig
+from tessera.data.cache import clear_memory_cache
 from tests.conftest import instruction, make_context
 
 RunConfigFactory = Callable[..., dict[str, Any]]
@@ -379,3 +388,63 @@ def test_evaluate_reports_local_test_metrics(run_config: RunConfigFactory) -> No
     assert 0.0 <= metrics[wire.TEST_ACCURACY] <= 1.0
     assert metrics[wire.TEST_LOSS] > 0.0
     assert reply.metadata.reply_to_message_id == msg.metadata.message_id
+
+
+# ---------------------------------------------------------------------------- node data
+def test_node_data_is_built_once_and_kept_in_the_state_dir(
+    run_config: RunConfigFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: count the dataset loads; the process starts with nothing in memory
+    loads: list[str] = []
+    real_load = client_app.app.load_bundle
+
+    def counting_load(spec: Any) -> Any:
+        loads.append(str(spec))
+        return real_load(spec)
+
+    monkeypatch.setattr(client_app.app, "load_bundle", counting_load)
+    clear_memory_cache()
+    context = context_for(run_config, {"strategy": "fedavg"}, **{"state-dir": str(tmp_path)})
+    run = RunConfig.from_flower(context.run_config)
+    node = NodeConfig.from_flower(context.node_config)
+
+    # Execute: the handshake, then a message in a fresh process (memory forgotten)
+    record = profile_of(handshake(handshake_message(), context))
+    clear_memory_cache()
+    data = load_node_data(run, node)
+
+    # Assert
+    assert loads == ["digits"]
+    assert (len(data.train), len(data.test)) == (record["num-train"], record["num-test"])
+    assert len(list((tmp_path / ".data-cache").glob("node-data-*.npz"))) == 1
+    clear_memory_cache()
+
+
+def test_node_data_without_state_dir_stays_in_memory(
+    run_config: RunConfigFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare
+    loads: list[str] = []
+    real_load = client_app.app.load_bundle
+
+    def counting_load(spec: Any) -> Any:
+        loads.append(str(spec))
+        return real_load(spec)
+
+    monkeypatch.setattr(client_app.app, "load_bundle", counting_load)
+    monkeypatch.chdir(tmp_path)
+    clear_memory_cache()
+    context = context_for(run_config, {"strategy": "fedavg"})
+    run = RunConfig.from_flower(context.run_config)
+    node = NodeConfig.from_flower(context.node_config)
+
+    # Execute
+    first = load_node_data(run, node)
+    second = load_node_data(run, node)
+    clear_memory_cache()
+    load_node_data(run, node)
+
+    # Assert: reused within the process, rebuilt in a new one, nothing written
+    assert second.train is first.train
+    assert loads == ["digits", "digits"]
+    assert list(tmp_path.iterdir()) == []

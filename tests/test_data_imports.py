@@ -39,11 +39,30 @@ def _loaded_after(code: str) -> list[str]:
     "code",
     [
         "import tessera.data",
-        # the whole data pipeline's public names
-        "from tessera.data import *",
+        # the whole data pipeline's public names, and the cache the ClientApp uses
+        "from tessera.data import *\nimport tessera.data.cache",
         # what a deployed ClientApp process imports (strategies and models included)
         "import client_app.app",
     ],
 )
 def test_import_loads_no_heavy_package(code: str) -> None:
     assert _loaded_after(code) == []
+
+
+def test_a_cached_node_reads_its_data_without_heavy_packages(tmp_path: Path) -> None:
+    # Prepare: the first process builds the node's cache (this loads scikit-learn
+    # and flwr-datasets to split and partition)
+    build = (
+        "from tessera.data import PartitionConfig\n"
+        "from tessera.data.cache import node_partition_data\n"
+        f"node_partition_data('digits', partition_id=1, num_partitions=3, "
+        f"partition=PartitionConfig('dirichlet', alpha=0.5, seed=3), pool_fraction=0.1, "
+        f"test_fraction=0.2, cache_dir={str(tmp_path)!r})"
+    )
+    assert "flwr_datasets" in _loaded_after(build)
+
+    # Execute: the next message's process finds it
+    loaded = _loaded_after(build)
+
+    # Assert
+    assert loaded == []

@@ -22,7 +22,13 @@ The modules, one concern each:
 - :mod:`tessera.data.partition`: the server pool and the partitioners;
 - :mod:`tessera.data.splits`: one node's data, :func:`client_data` and
   :func:`local_data`;
-- :mod:`tessera.data.plot`: :func:`plot_label_distribution`.
+- :mod:`tessera.data.plot`: :func:`plot_label_distribution`;
+- :mod:`tessera.data.cache`: a node's data kept across messages, in memory and in
+  ``<state-dir>/.data-cache`` (:func:`node_partition_data`, :func:`node_local_data`).
+
+Nothing here imports scikit-learn, flwr-datasets, datasets or matplotlib at import
+time: a deployed ClientApp is a fresh process per message, and those load only in
+the functions that need them (digits, hub datasets, partitioners, splits, plots).
 
 Dataset specs (:func:`parse_dataset_spec`):
 
@@ -43,17 +49,19 @@ Array layout: ``x`` is float32 with shape ``(N, C, H, W)`` for images or
 """
 
 from tessera.data.arrays import ArrayDataset, DataBundle, DataError, validate_labels
+from tessera.data.cache import node_cache_dir, node_local_data, node_partition_data
 from tessera.data.loaders import arrays_from_hf, bundle_from_hf, detect_hf_columns, load_bundle
 from tessera.data.partition import partition_indices, server_pool_indices, split_server_pool
 from tessera.data.plot import plot_label_distribution
 from tessera.data.spec import DatasetSpec, PartitionConfig, parse_dataset_spec
-from tessera.data.splits import client_data, local_data, split_local
+from tessera.data.splits import NodeSplits, client_data, local_data, split_local
 
 __all__ = [
     "ArrayDataset",
     "DataBundle",
     "DataError",
     "DatasetSpec",
+    "NodeSplits",
     "PartitionConfig",
     "arrays_from_hf",
     "bundle_from_hf",
@@ -61,6 +69,9 @@ __all__ = [
     "detect_hf_columns",
     "load_bundle",
     "local_data",
+    "node_cache_dir",
+    "node_local_data",
+    "node_partition_data",
     "parse_dataset_spec",
     "partition_indices",
     "plot_label_distribution",

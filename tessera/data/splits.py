@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,35 @@ from tessera.data.partition import (
 from tessera.data.spec import DatasetSpec, PartitionConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class NodeSplits:
+    """One node's data, as it trains and tests on it.
+
+    Parameters
+    ----------
+    train : ArrayDataset
+        Local training data (at least one sample).
+    test : ArrayDataset
+        Local test data (may be empty for a tiny partition).
+    num_classes : int
+        The dataset's class count (a partition's own labels may cover fewer).
+    input_shape : tuple of int
+        Shape of one sample.
+    """
+
+    train: ArrayDataset
+    test: ArrayDataset
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the four arrays."""
+        return int(
+            self.train.x.nbytes + self.train.y.nbytes + self.test.x.nbytes + self.test.y.nbytes
+        )
 
 
 def split_local(
