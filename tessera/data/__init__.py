@@ -36,7 +36,8 @@ Dataset specs (:func:`parse_dataset_spec`):
     scikit-learn's bundled 8x8 digits (no download), 1797 images, 10 classes,
     a fixed stratified 80/20 train/test split (seed 0).
 ``npz:<path>``
-    A NumPy ``.npz`` with ``x_train``, ``y_train``, ``x_test``, ``y_test``.
+    A NumPy ``.npz`` with ``x_train``, ``y_train``, ``x_test``, ``y_test``
+    (and optionally ``layout``).
 ``hf:<name>`` or a known short name
     A Hugging Face hub dataset loaded through ``flwr_datasets.FederatedDataset``.
     Short names: ``cifar10`` (``uoft-cs/cifar10``), ``cifar100``
@@ -44,8 +45,11 @@ Dataset specs (:func:`parse_dataset_spec`):
     (``zalando-datasets/fashion_mnist``), ``mnist`` (``ylecun/mnist``). A bare
     ``owner/name`` is passed through as a hub id.
 
-Array layout: ``x`` is float32 with shape ``(N, C, H, W)`` for images or
-``(N, D)`` for vectors; ``y`` is int64 in ``[0, num_classes)``.
+Array layout: ``x`` is float32 with shape ``(N, D)`` for vectors, ``(N, C, L)``
+for 1-D (multi-channel) signals or ``(N, C, H, W)`` for images; ``y`` is int64 in
+``[0, num_classes)``. An ``.npz`` of signals names its axes in an optional string
+array ``layout`` (``"NCL"``, or ``"NLC"`` for channels-last), since a 3-D array is
+otherwise read as ``(N, H, W)`` grayscale images.
 """
 
 from tessera.data.arrays import ArrayDataset, DataBundle, DataError, validate_labels

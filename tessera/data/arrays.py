@@ -2,7 +2,10 @@
 
 ``x`` is float32 with shape ``(N, D)`` for vectors, ``(N, C, L)`` for 1-D
 (multi-channel) signals or ``(N, C, H, W)`` for images; ``y`` is int64 in
-``[0, num_classes)``. Raw arrays from files are converted by :func:`split_arrays`.
+``[0, num_classes)``. Raw arrays from files are converted by :func:`split_arrays`;
+a 3-D array is ambiguous (grayscale images ``(N, H, W)`` or signals ``(N, C, L)``),
+so signals need their layout named (:data:`SAMPLE_LAYOUTS`, in an ``.npz`` the
+optional array ``layout``, e.g. ``np.savez(path, ..., layout="NCL")``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
 
 CHANNEL_COUNTS = (1, 3, 4)
+SAMPLE_LAYOUTS = ("ND", "NCL", "NLC", "NHW", "NCHW", "NHWC")
+"""Axis orders :func:`as_samples` accepts: ``N`` samples, ``D`` features, ``C``
+channels, ``L`` signal length, ``H``/``W`` image height and width. Every layout is
+converted to ``(N, D)``, ``(N, C, L)`` or ``(N, C, H, W)``."""
+SIGNAL_HINT_MAX_CHANNELS = 16
+"""An unnamed 3-D array with at most this many rows, each at least 8 times as long,
+looks like a signal: it is still read as an image, with a warning."""
 
 
 class DataError(ValueError):
@@ -35,7 +45,8 @@ class ArrayDataset:
     Parameters
     ----------
     x : numpy.ndarray
-        float32 samples, shape ``(N, C, H, W)`` for images or ``(N, D)`` for vectors.
+        float32 samples: ``(N, D)`` vectors, ``(N, C, L)`` 1-D signals or
+        ``(N, C, H, W)`` images.
     y : numpy.ndarray
         int64 labels, shape ``(N,)``.
 
@@ -79,7 +90,7 @@ class ArrayDataset:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one sample, ``(C, H, W)`` or ``(D,)``."""
+        """Shape of one sample, ``(D,)``, ``(C, L)`` or ``(C, H, W)``."""
         return tuple(int(d) for d in self.x.shape[1:])
 
     def subset(self, indices: npt.ArrayLike) -> ArrayDataset:
@@ -226,14 +237,24 @@ def as_labels(y: np.ndarray, *, what: str) -> IntArray:
     return labels
 
 
-def as_samples(x: np.ndarray, *, what: str) -> FloatArray:
-    """Convert raw samples to float32 ``(N, D)`` or ``(N, C, H, W)``.
+def as_samples(x: np.ndarray, *, what: str, layout: str | None = None) -> FloatArray:
+    """Convert raw samples to float32 ``(N, D)``, ``(N, C, L)`` or ``(N, C, H, W)``.
 
-    ``(N, H, W)`` gains a channel axis; ``(N, H, W, C)`` with ``C`` in
-    ``{1, 3, 4}`` is transposed to channels-first (when both axis 1 and the last
-    axis could be channels, channels-last is assumed and a warning is logged);
-    other 4-D arrays are taken as ``(N, C, H, W)``. uint8 data is scaled by
-    1/255; other dtypes are kept as they are (integer data above 1 is logged).
+    Without ``layout`` the rank decides: 2-D is ``(N, D)``; 3-D is ``(N, H, W)``
+    and gains a channel axis (a warning is logged when it looks like signals);
+    ``(N, H, W, C)`` with ``C`` in ``{1, 3, 4}`` is transposed to channels-first
+    (when both axis 1 and the last axis could be channels, channels-last is
+    assumed and a warning is logged); other 4-D arrays are taken as
+    ``(N, C, H, W)``. A ``layout`` from :data:`SAMPLE_LAYOUTS` names the axes
+    instead: ``"NCL"`` signals are kept, ``"NLC"`` ones transposed to
+    ``(N, C, L)``. uint8 data is scaled by 1/255; other dtypes are kept as they
+    are (integer data above 1 is logged).
+
+    Raises
+    ------
+    DataError
+        If the dtype is not numeric, the rank is unsupported or does not match
+        ``layout``, ``layout`` is unknown, or a value is not finite.
     """
     if x.dtype == np.uint8:
         values = x.astype(np.float32) / np.float32(255.0)
@@ -252,9 +273,23 @@ def as_samples(x: np.ndarray, *, what: str) -> FloatArray:
         raise DataError(
             f"{what} have dtype {x.dtype}; samples must be numeric (uint8 images or float features)"
         )
-    if values.ndim == 2:
+    if layout is not None:
+        values = _apply_layout(values, layout, what=what)
+    elif values.ndim == 2:
         pass
     elif values.ndim == 3:
+        rows, length = values.shape[1:]
+        if rows <= SIGNAL_HINT_MAX_CHANNELS and length >= 8 * rows:
+            logger.warning(
+                "%s have shape %s and are read as %d x %d grayscale images (N, H, W); "
+                "if they are 1-D signals with %d channels, save the layout with them: "
+                "np.savez(path, ..., layout='NCL') (or 'NLC' for (N, L, C))",
+                what,
+                values.shape,
+                rows,
+                length,
+                rows,
+            )
         values = values[:, None, :, :]
     elif values.ndim == 4:
         last_is_channel = values.shape[-1] in CHANNEL_COUNTS
@@ -269,8 +304,8 @@ def as_samples(x: np.ndarray, *, what: str) -> FloatArray:
             values = np.transpose(values, (0, 3, 1, 2))
     else:
         raise DataError(
-            f"{what} have shape {x.shape}; use (N, D) vectors, (N, H, W), "
-            "(N, H, W, C) or (N, C, H, W) images"
+            f"{what} have shape {x.shape}; use (N, D) vectors, (N, C, L) signals "
+            "(with layout 'NCL'), or (N, H, W), (N, H, W, C) or (N, C, H, W) images"
         )
     finite = np.isfinite(values).reshape(values.shape[0], -1)
     if not finite.all():
@@ -352,12 +387,17 @@ def check_labels_are_class_indices(y_train: IntArray, y_test: IntArray, *, name:
     return int(present.size)
 
 
-def split_arrays(x_raw: np.ndarray, y_raw: np.ndarray, *, what: str) -> tuple[FloatArray, IntArray]:
-    """Convert one split's arrays and check they are non-empty and aligned."""
+def split_arrays(
+    x_raw: np.ndarray, y_raw: np.ndarray, *, what: str, layout: str | None = None
+) -> tuple[FloatArray, IntArray]:
+    """Convert one split's arrays and check they are non-empty and aligned.
+
+    ``layout`` names the axes of ``x_raw`` (see :func:`as_samples`).
+    """
     if x_raw.ndim == 0:
         raise DataError(
             f"{what} samples are a scalar ({x_raw!r}), not an array of samples; "
-            "save x with shape (N, D) or (N, C, H, W)"
+            "save x with shape (N, D), (N, C, L) or (N, C, H, W)"
         )
     if x_raw.shape[0] == 0:
         raise DataError(
@@ -368,4 +408,39 @@ def split_arrays(x_raw: np.ndarray, y_raw: np.ndarray, *, what: str) -> tuple[Fl
             f"{what}: {x_raw.shape[0] if x_raw.ndim else 0} samples but labels of "
             f"shape {y_raw.shape}; x and y must have the same length"
         )
-    return as_samples(x_raw, what=f"{what} samples"), as_labels(y_raw, what=f"{what} labels")
+    samples = as_samples(x_raw, what=f"{what} samples", layout=layout)
+    return samples, as_labels(y_raw, what=f"{what} labels")
+
+
+def check_layout(value: object, *, what: str) -> str:
+    """Return ``value`` as one of :data:`SAMPLE_LAYOUTS` (case and spaces ignored).
+
+    Raises
+    ------
+    DataError
+        If ``value`` is not a string naming one of them.
+    """
+    text = value.strip().upper() if isinstance(value, str) else None
+    if text not in SAMPLE_LAYOUTS:
+        raise DataError(
+            f"{what} is {value!r}; use one of {list(SAMPLE_LAYOUTS)}, e.g. 'NCL' for "
+            "1-D signals of shape (N, channels, length)"
+        )
+    return text
+
+
+def _apply_layout(values: np.ndarray, layout: str, *, what: str) -> np.ndarray:
+    """Reorder ``values`` from the named ``layout`` to channels-first."""
+    order = check_layout(layout, what=f"the layout of {what}")
+    if values.ndim != len(order):
+        raise DataError(
+            f"{what} have shape {values.shape} ({values.ndim} axes) but the layout "
+            f"{order!r} names {len(order)}; save the layout that matches the array"
+        )
+    if order == "NLC":
+        return np.transpose(values, (0, 2, 1))
+    if order == "NHW":
+        return values[:, None, :, :]
+    if order == "NHWC":
+        return np.transpose(values, (0, 3, 1, 2))
+    return values  # ND, NCL, NCHW are already channels-first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from tessera.data.arrays import (
     FloatArray,
     IntArray,
     check_labels_are_class_indices,
+    check_layout,
     split_arrays,
 )
 from tessera.data.spec import DatasetSpec, parse_dataset_spec
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 HF_IMAGE_COLUMNS = ("img", "image")
 HF_LABEL_COLUMNS = ("label", "fine_label", "labels")
 NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+"""Required arrays of an ``npz:`` dataset; an optional string ``layout`` names the
+axes of ``x_train`` and ``x_test`` (see :data:`~tessera.data.arrays.SAMPLE_LAYOUTS`)."""
 NPZ_HOWTO = "save it with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)"
 NPY_MAGIC = b"\x93NUMPY"
 """First bytes of a single-array ``.npy`` file (what ``np.save`` writes)."""
@@ -175,9 +179,48 @@ def _load_npz_bundle(path: Path, *, name: str) -> DataBundle:
             f"{sorted(arrays)}. Save it with np.savez(path, x_train=..., "
             "y_train=..., x_test=..., y_test=...)"
         )
-    x_train, y_train = split_arrays(arrays["x_train"], arrays["y_train"], what=f"{path.name} train")
-    x_test, y_test = split_arrays(arrays["x_test"], arrays["y_test"], what=f"{path.name} test")
+    layout = npz_layout(arrays, path)
+    x_train, y_train = split_arrays(
+        arrays["x_train"], arrays["y_train"], what=f"{path.name} train", layout=layout
+    )
+    x_test, y_test = split_arrays(
+        arrays["x_test"], arrays["y_test"], what=f"{path.name} test", layout=layout
+    )
     return _bundle_from_arrays(x_train, y_train, x_test, y_test, name=name)
+
+
+def npz_layout(arrays: Mapping[str, np.ndarray], path: Path) -> str | None:
+    """Return the axis order an ``.npz`` names in its optional ``layout`` array.
+
+    Parameters
+    ----------
+    arrays : Mapping[str, numpy.ndarray]
+        The file's arrays (:func:`read_npz`).
+    path : pathlib.Path
+        The file, for messages.
+
+    Returns
+    -------
+    str or None
+        One of :data:`~tessera.data.arrays.SAMPLE_LAYOUTS` for both splits'
+        samples, or ``None`` when the file names none (the rank decides).
+
+    Raises
+    ------
+    DataError
+        If ``layout`` is not a single string naming a known layout.
+    """
+    if "layout" not in arrays:
+        return None
+    value = arrays["layout"]
+    what = f"array 'layout' of data file {str(path)!r}"
+    if value.ndim != 0 or value.dtype.kind not in "US":
+        raise DataError(
+            f"{what} has shape {value.shape} and dtype {value.dtype}; save one string, "
+            "e.g. np.savez(path, ..., layout='NCL')"
+        )
+    text = value.item()
+    return check_layout(text.decode() if isinstance(text, bytes) else text, what=what)
 
 
 def _bundle_from_arrays(

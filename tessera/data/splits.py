@@ -19,7 +19,7 @@ from tessera.data.arrays import (
     split_arrays,
     validate_labels,
 )
-from tessera.data.loaders import load_bundle, read_npz
+from tessera.data.loaders import load_bundle, npz_layout, read_npz
 from tessera.data.partition import (
     check_fraction,
     partition_indices,
@@ -218,9 +218,14 @@ def local_data(
             f"data file {path!r} has {present!r} but not its partner; save both "
             "x_test and y_test, or neither to split x_train"
         )
-    x_train, y_train = split_arrays(arrays["x_train"], arrays["y_train"], what=f"{file.name} train")
+    layout = npz_layout(arrays, file)
+    x_train, y_train = split_arrays(
+        arrays["x_train"], arrays["y_train"], what=f"{file.name} train", layout=layout
+    )
     if all(has_test):
-        x_test, y_test = split_arrays(arrays["x_test"], arrays["y_test"], what=f"{file.name} test")
+        x_test, y_test = split_arrays(
+            arrays["x_test"], arrays["y_test"], what=f"{file.name} test", layout=layout
+        )
         if x_test.shape[1:] != x_train.shape[1:]:
             raise DataError(
                 f"data file {path!r}: train samples have shape {x_train.shape[1:]} "
