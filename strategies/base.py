@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar, cast
 
 import numpy as np
 import torch
@@ -81,6 +83,7 @@ from tessera.data import ArrayDataset
 from tessera.results import TABLE_HEADER, ResultsWriter, format_round_row
 
 log = logging.getLogger("flwr.tessera")
+_T = TypeVar("_T")
 
 FEDERATION = "federation"
 """Config key of the federation id sent with every message (keys node state)."""
@@ -206,6 +209,11 @@ class RoundContext:
         What each selected node's reply must contain.
     limits : dict[int, ReplyLimits]
         What each selected node's reply may claim (from its handshake).
+    phases : dict[str, float]
+        Seconds the server spent in each phase of the round (``handshake``, ``build``,
+        ``exchange``, ``aggregate``, ``evaluate``), for the round record.
+    shared : dict
+        Records built once this round and put into several messages (:meth:`share`).
     """
 
     server_round: int
@@ -218,12 +226,45 @@ class RoundContext:
     accepted: list[ClientReply] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    phases: dict[str, float] = field(default_factory=dict)
+    shared: dict[Hashable, Any] = field(default_factory=dict)
+
+    def share(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """Return ``build()``, built once per round per ``key`` and shared afterwards.
+
+        Records every node of a group receives (a global model as an
+        :class:`~flwr.app.ArrayRecord`) are built once and put into each message,
+        as Flower's own strategies do: the round then holds one copy per
+        architecture instead of one per node, and measuring the payloads
+        (:func:`tessera.wire.payload_sizes`) serialises each once.
+        """
+        if key not in self.shared:
+            self.shared[key] = build()
+        return cast("_T", self.shared[key])
+
     schemas: dict[int, ReplySchema] = field(default_factory=dict)
     limits: dict[int, ReplyLimits] = field(default_factory=dict)
 
 
 class RunStoppedError(RuntimeError):
     """The run cannot go on (too many skipped rounds, too few nodes)."""
+
+
+def server_memory_mb() -> dict[str, float]:
+    """Return this process's resident memory now and at its peak, in MiB (Linux).
+
+    ``rss`` is read from ``/proc/self/statm`` (0 where there is no ``/proc``), ``peak``
+    is ``ru_maxrss``, the high-water mark since the process started.
+    """
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        rss = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        rss = 0.0
+    return {"rss": round(rss, 1), "peak": round(peak, 1)}
 
 
 def parse_handshake(
@@ -626,7 +667,9 @@ class HeteroStrategy:
         self, grid: Grid, ctx: RoundContext, timeout: float, *, first_of_process: bool
     ) -> dict[str, Any]:
         run = self.env.run
+        tick = time.monotonic()
         self._refresh_nodes(grid, timeout)
+        ctx.phases["handshake"] = time.monotonic() - tick
         skip_reason: str | None = None
         if len(self.assignment) < run.min_nodes:
             if first_of_process:
@@ -645,6 +688,7 @@ class HeteroStrategy:
                 )
         ctx.eligible = dict(self.assignment)
         if skip_reason is None:
+            tick = time.monotonic()
             selected = self.select_nodes(ctx)
             ctx.assignment = {n: ctx.eligible[n] for n in selected}
             ctx.schemas = {n: self.reply_schema(ctx, n, a) for n, a in ctx.assignment.items()}
@@ -657,9 +701,12 @@ class HeteroStrategy:
                 if n in self.nodes
             }
             messages = self._messages(ctx)
+            sizes = wire.payload_sizes([m.content for m in messages])
             ctx.bytes_down = {
-                int(m.metadata.dst_node_id): wire.payload_bytes(m.content) for m in messages
+                int(m.metadata.dst_node_id): size for m, size in zip(messages, sizes, strict=True)
             }
+            ctx.phases["build"] = time.monotonic() - tick
+            tick = time.monotonic()
             outcome = exchange(
                 grid,
                 messages,
@@ -668,6 +715,8 @@ class HeteroStrategy:
                 retry_timeout=run.superlink_retry_timeout,
                 bytes_down=ctx.bytes_down,
             )
+            ctx.phases["exchange"] = time.monotonic() - tick
+            del messages  # their payloads are not needed any longer
             ctx.failures = outcome.missing
             for node, reason in outcome.missing.items():
                 log.warning("round %d: node %d failed: %s", ctx.server_round, node, reason)
@@ -678,12 +727,14 @@ class HeteroStrategy:
                 )
         extra: dict[str, Any] = {}
         if skip_reason is None:
+            tick = time.monotonic()
             try:
                 extra = self.aggregate(ctx, ctx.accepted)
             except NonFiniteStateError as err:
                 skip_reason = f"refusing to ship a non-finite state: {err}"
             except (ValueError, ArithmeticError) as err:
                 skip_reason = f"the accepted replies cannot be aggregated: {err}"
+            ctx.phases["aggregate"] = time.monotonic() - tick
         if skip_reason is None:
             self.failed_streak = 0
         else:
@@ -938,7 +989,9 @@ class HeteroStrategy:
         for c in clients:
             if c["num_test_examples"] > 0:
                 by_arch[c["arch"]].append(c["test_accuracy"])
+        tick = time.monotonic()
         evaluation = self.evaluate(ctx)
+        ctx.phases["evaluate"] = time.monotonic() - tick
         seconds = time.monotonic() - ctx.started
         slowest = max((c["train_seconds"] for c in clients), default=0.0)
         partitions = {n: self.nodes[n].partition_id for n in ctx.assignment if n in self.nodes}
@@ -972,5 +1025,7 @@ class HeteroStrategy:
             "round_seconds": seconds,
             "slowest_train_seconds": slowest,
             "overhead_seconds": seconds - slowest,
+            "phase_seconds": {k: round(v, 4) for k, v in ctx.phases.items()},
+            "server_memory_mb": server_memory_mb(),
             **dict(extra),
         }

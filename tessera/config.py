@@ -1,16 +1,25 @@
 """Run configuration, parsed once from Flower's run config into typed objects.
 
 Flower hands the ServerApp and every ClientApp the same flat ``run_config``
-mapping (kebab-case keys, defaults in ``pyproject.toml``). It is read here, at the
-edge, into :class:`RunConfig`; nothing else in the project touches the raw dict.
-Scheme-specific keys (``proximal-mu``, ...) are read by the scheme's own
-``parse_options`` from the same mapping through :class:`ConfigReader`.
+mapping (kebab-case keys). It is read here, at the edge, into :class:`RunConfig`;
+nothing else in the project touches the raw dict. Scheme-specific keys
+(``proximal-mu``, ...) are read by the scheme's own ``parse_options`` from the same
+mapping through :class:`ConfigReader`.
+
+Each run-config key is declared once, with its default and a comment, in
+``[tool.flwr.app.config]`` of ``pyproject.toml``: Flower sends every key of that
+table with every run, so the parsers here carry no second copy of the defaults (a
+missing key is an error naming it). Which keys the code reads is not listed by hand
+either: :func:`recording_reads` collects the keys every :class:`ConfigReader` reads,
+and a test checks that they are exactly the declared ones.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +37,26 @@ class ConfigError(ValueError):
     """A run-config or node-config value is missing, of the wrong type or invalid."""
 
 
+_READS: ContextVar[set[tuple[str, str]] | None] = ContextVar("tessera_config_reads", default=None)
+
+
+@contextmanager
+def recording_reads() -> Iterator[set[tuple[str, str]]]:
+    """Collect ``(source, key)`` for every key a :class:`ConfigReader` reads inside.
+
+    Yields
+    ------
+    set[tuple[str, str]]
+        Filled while the block runs: ``("run-config", "proximal-mu")``, ...
+    """
+    reads: set[tuple[str, str]] = set()
+    token = _READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
+
+
 class ConfigReader:
     """Typed access to a flat Flower config mapping.
 
@@ -43,6 +72,11 @@ class ConfigReader:
         self._values = dict(values)
         self._source = source
 
+    def _note(self, key: str) -> None:
+        reads = _READS.get()
+        if reads is not None:
+            reads.add((self._source, key))
+
     def get(self, key: str, kind: type[T], default: T | None = None) -> T:
         """Return ``key`` converted to ``kind``; raise :class:`ConfigError` if bad.
 
@@ -53,18 +87,26 @@ class ConfigReader:
         kind : type
             One of ``int``, ``float``, ``str``, ``bool``.
         default : optional
-            Returned when the key is absent; without it a missing key raises.
+            Returned when the key is absent; without it a missing key raises. Run-
+            config keys have none: their defaults live in ``pyproject.toml``.
 
         Returns
         -------
         int | float | str | bool
             The converted value.
         """
+        self._note(key)
         if key not in self._values:
             if default is None:
+                declared = (
+                    " (it is declared in [tool.flwr.app.config] of pyproject.toml, which "
+                    "Flower sends with every run: pass the whole table)"
+                    if self._source == "run-config"
+                    else ""
+                )
                 raise ConfigError(
                     f"{self._source} key '{key}' is missing; set it, e.g. "
-                    f'--run-config "{key}=..."'
+                    f'--{self._source} "{key}=..."{declared}'
                 )
             return default
         raw = self._values[key]
@@ -78,6 +120,7 @@ class ConfigReader:
 
     def optional_str(self, key: str) -> str | None:
         """Return a string value, or ``None`` when absent or empty."""
+        self._note(key)
         if key not in self._values:
             return None
         value = str(self._values[key]).strip()
@@ -154,24 +197,24 @@ class RunConfig:
     sim_device_profiles: tuple[str, ...]
     output_dir: str
     run_name: str | None
-    fraction_train: float = 1.0
-    min_train_nodes: int = 1
-    min_replies: int = 1
-    max_failed_rounds: int = 3
-    checkpoint_every: int = 1
-    resume: str | None = None
-    aggregator: str = "mean"
-    superlink_retry_timeout: float = 120.0
-    trim_fraction: float = 0.1
-    krum_byzantine: int = 1
-    clip_norm: float = 10.0
-    clip_factor: float = 3.0
-    knowledge_merge: str = "mean"
-    attack: tuple[str, ...] = ()
-    attack_fraction: float = 0.25
-    attack_lambda: float = 1.0
-    attack_scale: float = 10.0
-    attack_noise: float = 1.0
+    fraction_train: float
+    min_train_nodes: int
+    min_replies: int
+    max_failed_rounds: int
+    checkpoint_every: int
+    resume: str | None
+    aggregator: str
+    superlink_retry_timeout: float
+    trim_fraction: float
+    krum_byzantine: int
+    clip_norm: float
+    clip_factor: float
+    knowledge_merge: str
+    attack: tuple[str, ...]
+    attack_fraction: float
+    attack_lambda: float
+    attack_scale: float
+    attack_noise: float
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -194,7 +237,7 @@ class RunConfig:
             key, the value and the fix.
         """
         r = ConfigReader(run_config, "run-config")
-        seed = r.get("seed", int, 42)
+        seed = r.get("seed", int)
         _require(
             0 <= seed <= 2**32 - 1,
             "seed",
@@ -202,48 +245,48 @@ class RunConfig:
             "use an integer in [0, 2**32 - 1] (the range numpy and scikit-learn accept)",
         )
         cfg = cls(
-            strategy=r.get("strategy", str, "fedavg-groups"),
-            num_server_rounds=r.get("num-server-rounds", int, 5),
-            dataset=r.get("dataset", str, "digits"),
-            partitioner=r.get("partitioner", str, "dirichlet").lower(),
-            dirichlet_alpha=r.get("dirichlet-alpha", float, 0.5),
-            classes_per_client=r.get("classes-per-client", int, 2),
-            server_pool_fraction=r.get("server-pool-fraction", float, 0.1),
-            local_test_fraction=r.get("local-test-fraction", float, 0.2),
+            strategy=r.get("strategy", str),
+            num_server_rounds=r.get("num-server-rounds", int),
+            dataset=r.get("dataset", str),
+            partitioner=r.get("partitioner", str).lower(),
+            dirichlet_alpha=r.get("dirichlet-alpha", float),
+            classes_per_client=r.get("classes-per-client", int),
+            server_pool_fraction=r.get("server-pool-fraction", float),
+            local_test_fraction=r.get("local-test-fraction", float),
             seed=seed,
             model_family=r.optional_str("model-family"),
-            norm=r.get("norm", str, "batch"),
-            local_epochs=r.get("local-epochs", int, 2),
-            batch_size=r.get("batch-size", int, 32),
-            learning_rate=r.get("learning-rate", float, 0.05),
-            momentum=r.get("momentum", float, 0.9),
-            weight_decay=r.get("weight-decay", float, 0.0),
-            round_timeout=r.get("round-timeout", float, 300.0),
-            min_nodes=r.get("min-nodes", int, 2),
-            node_wait_timeout=r.get("node-wait-timeout", float, 120.0),
-            train_time_budget=r.get("train-time-budget", float, 2.0),
-            memory_fraction=r.get("memory-fraction", float, 0.5),
+            norm=r.get("norm", str),
+            local_epochs=r.get("local-epochs", int),
+            batch_size=r.get("batch-size", int),
+            learning_rate=r.get("learning-rate", float),
+            momentum=r.get("momentum", float),
+            weight_decay=r.get("weight-decay", float),
+            round_timeout=r.get("round-timeout", float),
+            min_nodes=r.get("min-nodes", int),
+            node_wait_timeout=r.get("node-wait-timeout", float),
+            train_time_budget=r.get("train-time-budget", float),
+            memory_fraction=r.get("memory-fraction", float),
             sim_device_profiles=parse_csv(r.optional_str("sim-device-profiles")),
-            output_dir=r.get("output-dir", str, "results"),
+            output_dir=r.get("output-dir", str),
             run_name=r.optional_str("run-name"),
-            fraction_train=r.get("fraction-train", float, 1.0),
-            min_train_nodes=r.get("min-train-nodes", int, 1),
-            min_replies=r.get("min-replies", int, 1),
-            max_failed_rounds=r.get("max-failed-rounds", int, 3),
-            checkpoint_every=r.get("checkpoint-every", int, 1),
+            fraction_train=r.get("fraction-train", float),
+            min_train_nodes=r.get("min-train-nodes", int),
+            min_replies=r.get("min-replies", int),
+            max_failed_rounds=r.get("max-failed-rounds", int),
+            checkpoint_every=r.get("checkpoint-every", int),
             resume=r.optional_str("resume"),
-            aggregator=r.get("aggregator", str, "mean").strip().lower(),
-            superlink_retry_timeout=r.get("superlink-retry-timeout", float, 120.0),
-            trim_fraction=r.get("trim-fraction", float, 0.1),
-            krum_byzantine=r.get("krum-byzantine", int, 1),
-            clip_norm=r.get("clip-norm", float, 10.0),
-            clip_factor=r.get("clip-factor", float, 3.0),
-            knowledge_merge=r.get("knowledge-merge", str, "mean").strip().lower(),
+            aggregator=r.get("aggregator", str).strip().lower(),
+            superlink_retry_timeout=r.get("superlink-retry-timeout", float),
+            trim_fraction=r.get("trim-fraction", float),
+            krum_byzantine=r.get("krum-byzantine", int),
+            clip_norm=r.get("clip-norm", float),
+            clip_factor=r.get("clip-factor", float),
+            knowledge_merge=r.get("knowledge-merge", str).strip().lower(),
             attack=parse_csv(r.optional_str("attack")),
-            attack_fraction=r.get("attack-fraction", float, 0.25),
-            attack_lambda=r.get("attack-lambda", float, 1.0),
-            attack_scale=r.get("attack-scale", float, 10.0),
-            attack_noise=r.get("attack-noise", float, 1.0),
+            attack_fraction=r.get("attack-fraction", float),
+            attack_lambda=r.get("attack-lambda", float),
+            attack_scale=r.get("attack-scale", float),
+            attack_noise=r.get("attack-noise", float),
         )
         cfg.validate()
         return cfg

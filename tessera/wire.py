@@ -6,11 +6,11 @@ its own records next to these (its payload schema lives in its own module).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 # Record names
@@ -57,6 +57,50 @@ def payload_bytes(content: RecordDict) -> int:
         Number of bytes.
     """
     return int(recorddict_to_proto(content).ByteSize())
+
+
+def _signature(content: RecordDict) -> Hashable:
+    """Return what determines a message's payload size, cheaply.
+
+    Array records are taken by identity (messages built from one shared record have
+    the same one); config and metric records, small, by value.
+    """
+    parts: list[Hashable] = []
+    for name, record in sorted(content.items(), key=lambda item: item[0]):
+        if isinstance(record, (ConfigRecord, MetricRecord)):
+            parts.append((name, type(record).__name__, repr(sorted(record.items()))))
+        else:
+            parts.append((name, type(record).__name__, id(record)))
+    return tuple(parts)
+
+
+def payload_sizes(contents: Sequence[RecordDict]) -> list[int]:
+    """Return :func:`payload_bytes` of each content, serialising each distinct one once.
+
+    A round sends the same records to many nodes (one global model per architecture,
+    shared between their messages, as Flower's own strategies do); measuring every
+    message would serialise the model once per node. Contents with the same records
+    (array records by identity, config and metric records by value) have the same
+    size and are measured once.
+
+    Parameters
+    ----------
+    contents : Sequence[RecordDict]
+        The messages' records.
+
+    Returns
+    -------
+    list[int]
+        Bytes of each, in order.
+    """
+    sizes: dict[Hashable, int] = {}
+    out: list[int] = []
+    for content in contents:
+        key = _signature(content)
+        if key not in sizes:
+            sizes[key] = payload_bytes(content)
+        out.append(sizes[key])
+    return out
 
 
 LOCAL_ONLY_SUFFIXES = ("num_batches_tracked",)

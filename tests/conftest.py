@@ -10,9 +10,11 @@ Flower's simulation grid, it makes clients emulate run-config ``sim-device-profi
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -41,12 +43,28 @@ __all__ = [
     "ReplyHook",
     "client_handlers",
     "instruction",
+    "load_benchmark",
     "make_context",
     "make_grid",
     "stamp_pushed",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` as the module ``bench_<name>`` (scripts, not a package)."""
+    module_name = f"bench_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(
+        module_name, REPO_ROOT / "benchmarks" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_default_run_config() -> dict[str, Any]:

@@ -32,7 +32,7 @@ from strategies.felo.knowledge import ClassKnowledge, bound_knowledge, merge_kno
 from strategies.groups import GroupModels, NonFiniteStateError
 from tessera.attacks import attack_assignment, attacked_partitions
 from tessera.config import ATTACKS, ConfigError, NodeConfig, RunConfig
-from tests.conftest import TINY_DIGITS, make_grid
+from tests.conftest import TINY_DIGITS, load_default_run_config, make_grid
 
 RunConfigFactory = Callable[..., dict[str, Any]]
 
@@ -234,7 +234,7 @@ def test_median_k_bar_ignores_one_outlier() -> None:
 
 # --------------------------------------------------------------------- the harness
 def run_with(overrides: Mapping[str, Any]) -> RunConfig:
-    base = {"attack": "boost", "attack-fraction": 0.25, "seed": 7}
+    base = {**load_default_run_config(), "attack": "boost", "attack-fraction": 0.25, "seed": 7}
     return RunConfig.from_flower({**base, **overrides})
 
 
@@ -256,7 +256,7 @@ def test_node_config_attack_wins_and_is_checked() -> None:
     with pytest.raises(ConfigError, match="node-config 'attack' is 'nice'"):
         NodeConfig.from_flower({"partition-id": 0, "num-partitions": 3, "attack": "nice"})
     with pytest.raises(ConfigError, match="'attack'"):
-        RunConfig.from_flower({"attack": "boost,evil"})
+        run_with({"attack": "boost,evil"})
     with pytest.raises(ConfigError, match="unknown"):
         AttackSpec("evil")
 

@@ -6,9 +6,7 @@ grid, the cost part real aggregators on small updates.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 
 from tessera.local_grid import LocalGrid, make_grid
+from tests.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,14 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """The benchmark script, imported as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_robustness", ROOT / "benchmarks" / "robustness.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("robustness")
 
 
 def test_cells_cover_the_clean_run_and_every_attack_per_scheme(bench: ModuleType) -> None:

@@ -5,13 +5,13 @@ No timing is asserted; the federations are real (tiny) ones on the local grid.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,14 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     """The benchmark script, imported as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_submodel", ROOT / "benchmarks" / "submodel.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("submodel")
 
 
 def test_the_fleet_limits_half_the_honest_clients_and_gives_attackers_the_full_model(

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from strategies import get_scheme, list_schemes
-from tessera.config import ConfigError, ConfigReader, NodeConfig, RunConfig, parse_csv
+from tessera.config import (
+    ConfigError,
+    ConfigReader,
+    NodeConfig,
+    RunConfig,
+    parse_csv,
+    recording_reads,
+)
 
 RunConfigFactory = Callable[..., dict[str, Any]]
 
@@ -33,65 +40,48 @@ def test_defaults_parse(default_run_config: dict[str, Any]) -> None:
     assert cfg.run_name is None
 
 
+def test_every_declared_key_is_read_and_every_read_key_is_declared(
+    default_run_config: dict[str, Any],
+) -> None:
+    # Execute: parse the declared defaults the way a run does (RunConfig, then every
+    # scheme's options), recording the keys the readers look up
+    with recording_reads() as reads:
+        RunConfig.from_flower(default_run_config)
+        for name in list_schemes():
+            try:
+                get_scheme(name).parse_options(default_run_config)
+            except ConfigError:  # flwr-fedavg needs fedavg-arch set; it still read it
+                assert name == "flwr-fedavg"
+
+    # Assert: pyproject declares exactly the keys the code reads, nothing else
+    read = {key for source, key in reads if source == "run-config"}
+    assert read == set(default_run_config), (
+        f"declared but never read: {sorted(set(default_run_config) - read)}; "
+        f"read but not declared: {sorted(read - set(default_run_config))}"
+    )
+
+
 def test_to_dict_uses_kebab_case_keys_of_pyproject(default_run_config: dict[str, Any]) -> None:
-    # Prepare: scheme-specific keys are read by the schemes, not by RunConfig
-    scheme_keys = {"proximal-mu", "fedavg-arch", "fedavg-exclude-unfit"}
-    scheme_keys |= {  # fedhenn
-        "fedhenn-mode",
-        "cka-kernel",
-        "cka-estimator",
-        "eta0",
-        "eta-schedule",
-        "rad-size",
-        "rad-batch",
-        "align-every",
-        "kbar-weights",
-        "kbar-energy",
-        "fedhenn-precision",
-    }
-    scheme_keys |= {  # felo / velo
-        "feature-dim",
-        "felo-alpha",
-        "felo-temperature",
-        "felo-share-weights",
-        "cvae-interval",
-        "cvae-latent-dim",
-        "cvae-hidden-dim",
-        "cvae-epochs",
-        "cvae-learning-rate",
-        "cvae-samples",
-        "cvae-history",
-    }
-    scheme_keys |= {  # heterofl / flexifed / nefl / fedfa
-        "submodel-global",
-        "submodel-widths",
-        "submodel-mask-classes",
-        "submodel-scaler",
-        "heterofl-rolling",
-        "flexifed-strategy",
-        "nefl-learnable-step",
-        "fedfa-scaling",
-        "fedfa-target",
-        "fedfa-trim",
-        "fedfa-percentile",
-        "fedfa-weighted",
-        "fedfa-slices",
-        "fedfa-max-factor",
-    }
-    scheme_keys |= {  # ensemble
-        "ensemble-optimizer",
-        "ensemble-trials",
-        "ensemble-tune-every",
-        "ensemble-validation-fraction",
-        "ensemble-gradient-steps",
-    }
-
     # Execute
-    out = RunConfig.from_flower(default_run_config).to_dict()
+    with recording_reads() as reads:
+        out = RunConfig.from_flower(default_run_config).to_dict()
 
-    # Assert
-    assert set(out) == set(default_run_config) - scheme_keys
+    # Assert: the common keys, as RunConfig read them (scheme keys are the schemes')
+    assert set(out) == {key for _, key in reads}
+    assert set(out) < set(default_run_config)
     assert out["sim-device-profiles"] == ["cpu-small", "cpu-large", "jetson-orin"]
+
+
+def test_a_missing_run_config_key_is_named_with_where_it_is_declared(
+    default_run_config: dict[str, Any],
+) -> None:
+    # Prepare: a run config without one declared key (no default in the code)
+    config = dict(default_run_config)
+    del config["local-epochs"]
+
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"'local-epochs' is missing.*pyproject\.toml"):
+        RunConfig.from_flower(config)
 
 
 def test_every_scheme_parses_its_options_from_the_defaults(

@@ -403,7 +403,9 @@ class FedHeNNHomogeneousStrategy(FedAvgStrategy):
         """Global weights, and the RAD when ``eta(t) > 0``."""
         content = super().node_content(ctx, node_id, arch)
         if self.options.eta(ctx.server_round) > 0:
-            content[ALIGN] = wire.numpy_to_record({"x": self.rad.draw(ctx.server_round)})
+            content[ALIGN] = ctx.share(
+                ALIGN, lambda: wire.numpy_to_record({"x": self.rad.draw(ctx.server_round)})
+            )
         return content
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
@@ -493,12 +495,21 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
         content = super().node_content(ctx, node_id, arch)
         if self._aligns(ctx.server_round):
             assert self.target is not None
-            align = {"target": self.target.kernel.factor}
-            if not self._holds_rad(node_id):
-                align["x"] = self.target.x
-            content[ALIGN] = wire.numpy_to_record(align)
+            target = self.target
+            with_rad = not self._holds_rad(node_id)
+
+            def build_align() -> ArrayRecord:
+                align = {"target": target.kernel.factor}
+                if with_rad:
+                    align["x"] = target.x
+                return wire.numpy_to_record(align)
+
+            content[ALIGN] = ctx.share((ALIGN, with_rad), build_align)
         if self._probes(ctx.server_round):
-            content[PROBE] = wire.numpy_to_record({"x": self.rad.draw(ctx.server_round)})
+            content[PROBE] = ctx.share(
+                PROBE,
+                lambda: wire.numpy_to_record({"x": self.rad.draw(ctx.server_round)}),
+            )
         return content
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:

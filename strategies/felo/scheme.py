@@ -432,9 +432,12 @@ class FeloStrategy(HeteroStrategy):
         """Config, the group's weights (when shared) and the per-class targets (if any)."""
         content = super().node_content(ctx, node_id, arch)
         if self.felo.share_weights:
-            content[wire.ARRAYS] = wire.numpy_to_record(self.models.get(arch))
+            content[wire.ARRAYS] = ctx.share(
+                (wire.ARRAYS, arch), lambda: wire.numpy_to_record(self.models.get(arch))
+            )
         if self.targets is not None:
-            content[CLASS_TARGETS] = knowledge_to_record(self.targets)
+            targets = self.targets
+            content[CLASS_TARGETS] = ctx.share(CLASS_TARGETS, lambda: knowledge_to_record(targets))
         return content
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:

@@ -1,0 +1,48 @@
+"""Byte accounting of messages: measured once per distinct content, same numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+
+from strategies.base import RoundContext
+from tessera import wire
+
+
+def _config(arch: str) -> ConfigRecord:
+    return ConfigRecord({"server-round": 1, "arch": arch, "input-shape": [1, 8, 8]})
+
+
+def test_payload_sizes_equal_payload_bytes_and_serialise_each_distinct_content_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: five messages, two global models shared between them (as a round
+    # builds them with RoundContext.share), one config differing by value
+    ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
+    small = {"w": np.ones((3, 4), dtype=np.float32)}
+    large = {"w": np.ones((30, 4), dtype=np.float32)}
+    contents = []
+    for arch, weights in [("a", small), ("a", small), ("b", large), ("b", large), ("a", small)]:
+        record = ctx.share(("arrays", arch), lambda weights=weights: wire.numpy_to_record(weights))
+        contents.append(RecordDict({wire.CONFIG: _config(arch), wire.ARRAYS: record}))
+    shared_a = ctx.shared[("arrays", "a")]
+    contents.append(RecordDict({wire.CONFIG: _config("c"), wire.ARRAYS: shared_a}))
+    calls: list[int] = []
+    real = wire.payload_bytes
+
+    def counting(content: RecordDict) -> int:
+        calls.append(1)
+        return real(content)
+
+    monkeypatch.setattr(wire, "payload_bytes", counting)
+
+    # Execute
+    sizes = wire.payload_sizes(contents)
+    monkeypatch.undo()
+
+    # Assert: the same numbers as measuring each; three distinct contents measured
+    assert sizes == [real(c) for c in contents]
+    assert len(calls) == 3
+    assert sizes[2] >= sizes[0] + 108 * 4  # 108 more float32 values in the large model
+    assert contents[0][wire.ARRAYS] is contents[1][wire.ARRAYS] is contents[4][wire.ARRAYS]
