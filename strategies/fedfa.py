@@ -25,8 +25,12 @@ keeps one value after trimming) otherwise gets factors in the thousands and wrec
 the global model (measured: factor 1.5e5, accuracy 75 % -> 9 % in one round). Why
 these readings are the defaults is in :mod:`strategies.submodel.aggregate`.
 
-Memory: scaling needs the whole cohort's norms before any client can be weighted,
-so the grafted replies of a round are kept until it ends, O(clients x model).
+Memory: each grafted reply is folded as it arrives
+(:class:`~strategies.submodel.ScalableAccumulator`): the factor ``mean / n_c`` is
+linear in the cohort mean, so the server keeps one running sum per layer and each
+client's norms, O(model), and multiplies by the mean at the end. Only layers that
+may end up capped by ``fedfa-max-factor`` (a norm well under the running mean) are
+kept apart until the round ends.
 """
 
 from __future__ import annotations
@@ -36,13 +40,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from strategies.aggregators import Index
+from strategies.aggregation import AggregationError
+from strategies.aggregators import MeanAccumulator
 from strategies.base import RoundContext
 from strategies.groups import NonFiniteStateError, non_finite_entries, without_arrays
 from strategies.registry import Scheme, register_scheme
-from strategies.submodel.aggregate import coverage_average, scalable_aggregate
+from strategies.submodel.aggregate import ScalableAccumulator
 from strategies.submodel.extract import coverage_index
 from strategies.submodel.graft import graft
 from strategies.submodel.scheme import (
@@ -143,38 +146,40 @@ class FedFAStrategy(SubModelStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._grafted: list[tuple[dict[str, np.ndarray], dict[str, Index], float]] = []
+        self._round: ScalableAccumulator | MeanAccumulator | None = None
+
+    def _accumulator(self) -> ScalableAccumulator | MeanAccumulator:
+        """Return this round's accumulator, opened on the global weights at the first reply."""
+        if self._round is None:
+            opts: FedFAOptions = self.options
+            if opts.scaling:
+                self._round = ScalableAccumulator(
+                    self.global_state,
+                    target=opts.target,  # type: ignore[arg-type]
+                    percentile=opts.percentile,
+                    trim=opts.trim,  # type: ignore[arg-type]
+                    max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
+                )
+            else:
+                self._round = MeanAccumulator(self.global_state)
+        return self._round
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
-        """Graft the reply to the global depth and keep it until the round ends."""
+        """Graft the reply to the global depth and fold it into this round's aggregate."""
         if reply.arrays is None:
             raise ValueError(f"node {reply.node_id} sent no weights")
         grafted = graft(reply.arrays, self.layout, self.full.depths)
         index = coverage_index(self.global_state, grafted)
         weight = float(reply.num_examples) if self.options.weighted else 1.0
-        self._grafted.append((grafted, index, weight))
+        self._accumulator().add(grafted, weight, index=index)
         return without_arrays(reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Combine the grafted slices (scalable aggregation unless ``fedfa-scaling=false``)."""
-        opts: FedFAOptions = self.options
-        states = [g[0] for g in self._grafted]
-        indices = [g[1] for g in self._grafted]
-        weights = [g[2] for g in self._grafted]
-        self._grafted = []
-        if opts.scaling:
-            new = scalable_aggregate(
-                self.global_state,
-                states,
-                weights,
-                indices=indices,
-                target=opts.target,  # type: ignore[arg-type]
-                percentile=opts.percentile,
-                trim=opts.trim,  # type: ignore[arg-type]
-                max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
-            )
-        else:
-            new = coverage_average(self.global_state, states, weights, indices=indices)
+        """Commit the folded slices (scalable aggregation unless ``fedfa-scaling=false``)."""
+        accumulator, self._round = self._round, None
+        if accumulator is None or accumulator.count == 0:
+            raise AggregationError("nothing to aggregate: no reply was folded")
+        new = accumulator.result()
         bad = non_finite_entries(new)
         if bad:
             raise NonFiniteStateError(
@@ -182,11 +187,15 @@ class FedFAStrategy(SubModelStrategy):
                 "the global model keeps its weights"
             )
         self.models.arrays[self.global_name] = new
-        return {"slices": slice_counts(replies)}
+        out: dict[str, Any] = {"slices": slice_counts(replies)}
+        if isinstance(accumulator, ScalableAccumulator):
+            out["capped_layers"] = accumulator.capped
+            out["late_capped_layers"] = accumulator.late_caps
+        return out
 
     def discard(self, ctx: RoundContext) -> None:
-        """Drop the kept replies; the global model stays as it was."""
-        self._grafted = []
+        """Drop this round's aggregate; the global model stays as it was."""
+        self._round = None
 
 
 SCHEME = register_scheme(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
 
 from strategies.aggregation import AggregationError, mean_std
-from strategies.aggregators import MeanAccumulator
+from strategies.aggregators import MeanAccumulator, add_scaled, sum_dtype
 
 
 def mean_of(updates: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
@@ -115,3 +117,138 @@ def test_mean_std_negative_weight_raises() -> None:
     # Execute / Assert
     with pytest.raises(AggregationError, match="non-negative"):
         mean_std([0.0, 1.0], [2.0, -1.0])
+
+
+# ------------------------------------------------------------ streaming, in float32
+def test_float32_entries_are_summed_in_float32_and_integers_in_float64() -> None:
+    assert sum_dtype(np.dtype(np.float32)) == np.float32
+    assert sum_dtype(np.dtype(np.float16)) == np.float32
+    assert sum_dtype(np.dtype(np.float64)) == np.float64
+    assert sum_dtype(np.dtype(np.int64)) == np.float64
+
+
+def test_float32_weighted_mean_by_hand() -> None:
+    # Prepare: (2 * [1, 2, -4] + 6 * [3, 5, 0]) / 8 = [20, 34, -8] / 8
+    ref = {"w": np.zeros(3, np.float32)}
+    acc = MeanAccumulator(ref)
+
+    # Execute
+    acc.add({"w": np.array([1.0, 2.0, -4.0], np.float32)}, 2.0)
+    acc.add({"w": np.array([3.0, 5.0, 0.0], np.float32)}, 6.0)
+    out = acc.result()
+
+    # Assert: exact in float32, the running sum was float32 (no float64 copy)
+    assert out["w"].dtype == np.float32
+    np.testing.assert_array_equal(out["w"], np.array([2.5, 4.25, -1.0], np.float32))
+    assert acc.result() is out  # taken once, in place
+    with pytest.raises(AggregationError, match="already taken"):
+        acc.add({"w": np.zeros(3, np.float32)}, 1.0)
+
+
+def test_add_scaled_works_in_place_on_views_read_only_and_reversed_arrays() -> None:
+    # Prepare
+    total = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], np.float32)
+    value = np.array([10.0, 20.0], np.float32)
+    value.flags.writeable = False  # decoded replies may be read-only
+
+    # Execute: into a strided view (column 1), then a reversed (negative-stride) value
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        add_scaled(total[:, 1], value, 0.5)
+    add_scaled(total[0], np.array([3.0, 2.0, 1.0], np.float32)[::-1], 2.0)
+
+    # Assert: [2, 7] added to column 1; [2, 4, 6] to row 0
+    np.testing.assert_array_equal(total, [[3.0, 11.0, 9.0], [4.0, 15.0, 6.0]])
+
+
+def test_partial_updates_average_over_their_coverage() -> None:
+    # Prepare: global 2x2 of 9s; A covers all (weight 1), B row 0 (weight 3)
+    ref = {"w": np.full((2, 2), 9.0, np.float32), "n": np.array(0, np.int64)}
+    acc = MeanAccumulator(ref)
+
+    # Execute
+    acc.add({"w": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)}, 1.0)
+    acc.add({"w": np.array([[5.0, 6.0]], np.float32)}, 3.0, index={"w": (slice(0, 1), slice(0, 2))})
+    out = acc.result()
+
+    # Assert: row 0 (1*[1, 2] + 3*[5, 6]) / 4 = [4, 5]; row 1 only A; "n" untouched
+    np.testing.assert_array_equal(out["w"], [[4.0, 5.0], [3.0, 4.0]])
+    assert out["n"] == 0 and out["n"] is not ref["n"]
+
+
+def test_float32_error_of_1000_clients_is_far_below_the_update() -> None:
+    """The test behind summing in float32 (weights and coverage too).
+
+    1,000 clients send the global weights (scale 0.1) plus a shared drift and their
+    own noise (scale 1e-3), with 1 to 600 examples each; every other client covers
+    only the first half (partial, with coverage). The float32 mean differs from the
+    float64 one by under 0.1 % of the update it makes (measured: 0.04 %) and by a
+    few float32 spacings of the weights.
+    """
+    # Prepare
+    rng = np.random.default_rng(0)
+    size, clients = 10_000, 1000
+    w_global = (0.1 * rng.standard_normal(size)).astype(np.float32)
+    drift = 1e-3 * rng.standard_normal(size)
+    examples = rng.integers(1, 601, clients).astype(np.float64) + 0.5
+    acc = MeanAccumulator({"w": w_global})
+    sums, cover = np.zeros(size), np.zeros(size)
+    half = (slice(0, size // 2),)
+
+    # Execute
+    for c in range(clients):
+        update = (w_global + drift + 1e-3 * rng.standard_normal(size)).astype(np.float32)
+        if c % 2:
+            acc.add({"w": update[half]}, examples[c], index={"w": half})
+            sums[half] += examples[c] * update[half].astype(np.float64)
+            cover[half] += examples[c]
+        else:
+            acc.add({"w": update}, examples[c])
+            sums += examples[c] * update.astype(np.float64)
+            cover += examples[c]
+    exact = sums / cover
+    error = np.abs(acc.result()["w"].astype(np.float64) - exact)
+
+    # Assert
+    step = np.sqrt(np.mean((exact - w_global) ** 2))
+    assert error.max() < 1e-3 * step
+    assert error.max() < 16 * np.spacing(np.float32(np.abs(w_global).max()))
+
+
+def test_streaming_memory_is_one_model_not_one_per_client() -> None:
+    """tracemalloc peak while folding 200 updates that arrive one at a time.
+
+    Deterministic: it counts numpy's buffers (the sums and the one update alive),
+    not time. Buffering would need 200 models, float64 temporaries 3; the bound is 1.5.
+    """
+    # Prepare
+    shapes = {"a": (100, 500), "b": (40_000,), "c": (10_000,)}
+    ref = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    model = sum(v.nbytes for v in ref.values())
+    rng = np.random.default_rng(1)
+    acc = MeanAccumulator(ref)
+    acc.add({k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}, 1.0)
+
+    # Execute
+    tracemalloc.start()
+    try:
+        for i in range(200):
+            update = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+            acc.add(update, 1.0 + i % 7)
+            del update
+        acc.result()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+    # Assert: the sums were allocated before; one update alive, no float64 temporaries
+    assert peak < 1.5 * model
+
+
+def test_a_lone_update_comes_back_bit_for_bit_whatever_its_weight() -> None:
+    # in float32, -0.218791663646698 * 37 / 37 is not -0.218791663646698 (checked below);
+    # weights are taken relative to the first, so a lone update is added with factor 1
+    value = np.array([0.1, -0.218791663646698, 3e-8], np.float32)
+    assert ((value * np.float32(37)) / np.float32(37))[1] != value[1]
+    out = mean_of([{"w": value}], [37.0])
+    np.testing.assert_array_equal(out["w"], value)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from strategies.aggregation import AggregationError
 from strategies.aggregators import MeanAccumulator
 from strategies.submodel import (
     Layout,
+    ScalableAccumulator,
     SubModelError,
     SubModelSpec,
     coverage_average,
@@ -501,3 +504,120 @@ def test_rolling_the_channels_of_a_real_model_keeps_its_function(
     changed = sum(not np.array_equal(state[k], rolled[k]) for k in state)
     assert changed > len(state) // 3
     torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-4)
+
+
+# --- streaming scalable aggregation (FedFA without keeping the replies) --------
+def fedfa_cohort(rng: np.random.Generator) -> tuple[dict[str, np.ndarray], list[Any]]:
+    """Return a global model and 6 grafted replies with their examples.
+
+    Mixed widths and depths; update scales falling 5-fold per reply (so every cap
+    is decided exactly), down to a 1e-4 update (capped at max_factor 10); one reply unchanged
+    (zero norms).
+    """
+    g = random_global(rng)
+    for key in [k for k in g if k.startswith("sections.") and k.split(".")[2] == "1"]:
+        # a block like the one grafted onto it: a shallow reply's update stays its noise
+        g[key] = g[key.replace(".1.", ".0.", 1)].copy()
+    cohort = [
+        ((1.0, (2, 2)), 1.0, 5.0),
+        ((1.0, (1, 1)), 0.2, 2.0),
+        ((0.5, (2, 2)), 0.04, 1.0),
+        ((0.25, (1, 2)), 0.008, 3.0),
+        ((0.5, (2, 1)), 1e-4, 1.0),
+        ((0.25, (2, 2)), 0.0, 2.0),
+    ]
+    out = []
+    for (width, depths), scale, examples in cohort:
+        moved = {
+            k: (v + scale * rng.normal(size=v.shape)).astype(v.dtype)
+            if np.issubdtype(v.dtype, np.floating)
+            else v + 1
+            for k, v in g.items()
+        }
+        state = graft(extract(moved, SubModelSpec(width, depths), LAYOUT)[0], LAYOUT, (2, 2))
+        out.append((state, examples))
+    return g, out
+
+
+@pytest.mark.parametrize("target", ["updates", "weights"])
+@pytest.mark.parametrize("trim", ["magnitude", "central"])
+@pytest.mark.parametrize("max_factor", [math.inf, 10.0, 2.0])
+def test_streaming_scalable_aggregation_equals_the_buffered_one(
+    target: str, trim: str, max_factor: float
+) -> None:
+    # Prepare
+    g, cohort = fedfa_cohort(np.random.default_rng(3))
+    kwargs: dict[str, Any] = {"target": target, "trim": trim, "max_factor": max_factor}
+    buffered = scalable_aggregate(
+        g, [s for s, _ in cohort], [w for _, w in cohort], percentile=95, **kwargs
+    )
+
+    # Execute: fold one reply at a time
+    acc = ScalableAccumulator(g, percentile=95, **kwargs)
+    for state, weight in cohort:
+        acc.add(state, weight, index=coverage_index(g, state))
+    streamed = acc.result()
+
+    # Assert: same keys, dtypes and values (float32 rounding apart); caps decided exactly
+    assert acc.late_caps == 0 and acc.count == len(cohort)
+    assert list(streamed) == list(g)
+    for key, value in buffered.items():
+        assert streamed[key].dtype == value.dtype
+        np.testing.assert_allclose(streamed[key], value, rtol=2e-5, atol=2e-6, err_msg=key)
+    if max_factor == 10.0 and target == "updates":
+        assert acc.capped > 0  # the 1e-4 reply's layers are scaled by 10, not by thousands
+
+
+def test_a_late_cap_scales_every_folded_layer_down_never_up() -> None:
+    # Prepare: global [0, 0]; updates [1, 0] (norm 1) and [0, 1000] (norm 1000)
+    # (percentile 100: every value counts), max_factor 10, one example each
+    g = {"w": np.zeros(2, np.float32)}
+    small = {"w": np.array([1.0, 0.0], np.float32)}
+    large = {"w": np.array([0.0, 1000.0], np.float32)}
+    # buffered: mean 500.5 -> factors min(500.5, 10) = 10 and 0.5005
+    # -> ([10, 0] + [0, 500.5]) / 2 = [5, 250.25]
+    buffered = scalable_aggregate(g, [small, large], percentile=100, max_factor=10.0)
+    np.testing.assert_allclose(buffered["w"], [5.0, 250.25])
+
+    # Execute: the large one first, then the small one (kept: 1 * 10 < 2 * 500.5)
+    first = ScalableAccumulator(g, percentile=100, max_factor=10.0)
+    first.add(large)
+    first.add(small)
+    # ... and the other way round: the small one is folded (1 * 10 >= 2 * 1) before the
+    # mean is known; the final mean would give it 500.5, so the multiplier is
+    # min(500.5, 10 * 1) = 10: factors 10 / 1 and 10 / 1000 -> ([10, 0] + [0, 10]) / 2
+    late = ScalableAccumulator(g, percentile=100, max_factor=10.0)
+    late.add(small)
+    late.add(large)
+
+    # Assert
+    np.testing.assert_allclose(first.result()["w"], [5.0, 250.25])
+    assert (first.capped, first.late_caps) == (1, 0)
+    np.testing.assert_allclose(late.result()["w"], [5.0, 5.0])
+    assert (late.capped, late.late_caps) == (1, 1)
+
+
+def test_streaming_scalable_aggregation_memory_does_not_grow_with_clients() -> None:
+    """tracemalloc peak of 10 and of 60 full-width replies folded one at a time."""
+
+    def peak(clients: int) -> int:
+        rng = np.random.default_rng(0)
+        g = {"a.weight": np.zeros((64, 1000), np.float32), "b.bias": np.zeros(4000, np.float32)}
+        acc = ScalableAccumulator(g, max_factor=10.0)
+        acc.add({k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in g.items()})
+        tracemalloc.start()
+        try:
+            for _ in range(clients):
+                state = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in g.items()}
+                acc.add(state, 2.0)
+                del state
+            acc.result()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    model = (64 * 1000 + 4000) * 4
+    few, many = peak(10), peak(60)
+    # one reply, its update and one float64 copy of the largest layer for the norm
+    assert many < 5 * model
+    assert many < 1.1 * few

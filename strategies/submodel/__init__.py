@@ -11,6 +11,7 @@ schemes (HeteroFL, FlexiFed, NeFL, FedFA):
 - :func:`graft`: FedFA Algorithm 2, repeat each section's last block up to the
   global depth;
 - :func:`coverage_average` and :func:`scalable_aggregate` (FedFA Algorithm 1,
+  streamed by :class:`ScalableAccumulator`,
   lines 12-22; the reading of its ambiguous parts is in
   :mod:`~strategies.submodel.aggregate`).
 """
@@ -25,6 +26,7 @@ from models.spec import (
     sub_shape,
 )
 from strategies.submodel.aggregate import (
+    ScalableAccumulator,
     coverage_average,
     layer_norms,
     scalable_aggregate,
@@ -37,6 +39,7 @@ from strategies.submodel.graft import graft
 
 __all__ = [
     "Layout",
+    "ScalableAccumulator",
     "SubModelError",
     "SubModelSpec",
     "coverage_average",

@@ -50,7 +50,10 @@ that did not move it) gets factor 1: its contribution is the same for any factor
 Streaming: since ``alpha_c = mean_l / n_c``, the numerator is
 ``mean_l * sum_c (N_c / n_c) M_c`` and ``Gamma`` is the plain coverage, so an
 accumulator can fold clients as they arrive keeping only the per-client norms and
-multiply by the cohort mean at the end. The functions here take lists.
+multiply by the cohort mean at the end: :class:`ScalableAccumulator` (what FedFA's
+server uses). The bound ``max_factor`` is not linear in the mean; how the
+accumulator stays exact under it is in its docstring. The functions
+(:func:`scalable_aggregate`) take lists and are the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -62,7 +65,15 @@ from typing import Literal
 import numpy as np
 
 from strategies.aggregation import AggregationError
-from strategies.aggregators import Index, MeanAccumulator, entry_kind
+from strategies.aggregators import (
+    Coverage,
+    EntrySums,
+    Index,
+    MeanAccumulator,
+    add_scaled,
+    check_update,
+    entry_kind,
+)
 from strategies.submodel.extract import coverage_index
 
 Target = Literal["updates", "weights"]
@@ -156,21 +167,24 @@ def trimmed_norm(
     """
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {percentile!r}; FedFA uses 95")
-    x = np.asarray(values, dtype=np.float64).ravel()
+    # one float64 copy, partitioned in place by the percentile and zeroed where trimmed:
+    # the norm only needs the multiset of kept values, not their order
+    if trim == "magnitude":
+        x = np.abs(np.asarray(values), dtype=np.float64).ravel()
+    else:
+        x = np.array(values, dtype=np.float64, copy=True).ravel()
     if x.size == 0:
         return 0.0
-    if trim == "magnitude":
-        a = np.abs(x)
-        kept = x[a <= np.percentile(a, percentile)]
-    elif trim == "signed":
-        kept = x[x <= np.percentile(x, percentile)]
+    if trim in ("magnitude", "signed"):
+        high = float(np.percentile(x, percentile, overwrite_input=True))
+        x[x > high] = 0.0
     elif trim == "central":
         tail = (100.0 - percentile) / 2.0
-        low, high = np.percentile(x, [tail, 100.0 - tail])
-        kept = x[(x >= low) & (x <= high)]
+        low, high = np.percentile(x, [tail, 100.0 - tail], overwrite_input=True)
+        x[(x < low) | (x > high)] = 0.0
     else:
         raise ValueError(f"trim must be one of {', '.join(TRIMS)}, got {trim!r}")
-    return math.sqrt(float(np.dot(kept, kept)))
+    return math.sqrt(float(np.dot(x, x)))
 
 
 def is_scaled(key: str, value: np.ndarray) -> bool:
@@ -339,3 +353,193 @@ def scalable_aggregate(
         for state, index, f in zip(states, where, factors, strict=True)
     ]
     return coverage_average(global_state, scaled, weights, indices=where)
+
+
+CANDIDATE_MARGIN = 2.0
+"""How far under the running cap threshold a layer's norm may be and still be kept.
+
+:class:`ScalableAccumulator` keeps a client's layer (instead of folding it) when its
+norm is under ``CANDIDATE_MARGIN * running_mean / max_factor``: only such layers can
+end up capped unless the layer's mean norm grows more than ``CANDIDATE_MARGIN``-fold
+after the client's reply."""
+
+
+class ScalableAccumulator:
+    """FedFA's scalable aggregation, folded one (grafted) client at a time.
+
+    Equal, within float32 rounding, to :func:`scalable_aggregate` of the same
+    clients, without keeping their states. Per scaled layer ``l`` it holds, in the
+    entry's precision and in place (:class:`~strategies.aggregators.EntrySums`)::
+
+        P_l = sum_{c: n_c > 0} (N_c / n_c) X_c     (X: the update, or the weights)
+        S_l = sum_{c: n_c = 0} N_c X_c              (factor 1)
+        Gamma_l = sum_c N_c                          (element-wise coverage)
+
+    plus each client's norm ``n_c`` (a float), and at the end sets
+    ``M_G = mean_l * P_l + S_l`` over ``Gamma_l`` (added to the global weights for
+    ``"updates"``). Entries that are not scaled are a plain coverage mean.
+
+    The factor bound ``max_factor`` (``alpha_c = min(mean_l / n_c, max_factor)``)
+    depends on the final mean, which is known only at the end, and no bounded state
+    can decide it for every client afterwards. A client's layer whose norm is under
+    ``CANDIDATE_MARGIN`` times the running threshold ``running_mean / max_factor``
+    is therefore kept apart and folded with its exact factor at the end; memory is
+    O(model) plus those layers (updates far smaller than the cohort's, such as a
+    narrow slice's normalisation layer; none in ``benchmarks/aggregation.py``).
+    Should the final mean cap a layer that was already folded (the layer's mean
+    norm grew over ``CANDIDATE_MARGIN``-fold after it arrived, e.g. an oversized
+    reply came last), ``P_l`` is multiplied by ``max_factor`` times the
+    smallest folded norm instead of the mean: no factor exceeds ``max_factor``, the
+    folded layers' factors all shrink by the same ratio, and :attr:`late_caps`
+    counts the client layers that were capped late (the round record's
+    ``late_capped_layers``).
+
+    Parameters
+    ----------
+    global_state : Mapping[str, np.ndarray]
+        The current global weights.
+    target, percentile, trim, max_factor
+        As :func:`scalable_aggregate`.
+    """
+
+    def __init__(
+        self,
+        global_state: Mapping[str, np.ndarray],
+        *,
+        target: Target = "updates",
+        percentile: float = 95.0,
+        trim: Trim = "magnitude",
+        max_factor: float = math.inf,
+    ) -> None:
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+        if trim not in TRIMS:
+            raise ValueError(f"trim must be one of {', '.join(TRIMS)}, got {trim!r}")
+        if not 0 < percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile!r}; FedFA uses 95")
+        if not max_factor >= 1:
+            raise ValueError(f"max_factor must be >= 1, got {max_factor!r}")
+        self.reference = dict(global_state)
+        self.target: Target = target
+        self.percentile = float(percentile)
+        self.trim: Trim = trim
+        self.max_factor = float(max_factor)
+        self._scaled = frozenset(k for k, v in self.reference.items() if is_scaled(k, v))
+        self._plain = MeanAccumulator(
+            {k: v for k, v in self.reference.items() if k not in self._scaled}
+        )
+        self._inverse = EntrySums(self.reference)
+        self._unit = EntrySums(self.reference)
+        self._cover = Coverage(self.reference)
+        self._norms: dict[str, list[float]] = {}
+        self._kept: dict[str, list[tuple[np.ndarray, Index | None, float, float]]] = {}
+        self._smallest: dict[str, float] = {}
+        self._count = 0
+        self.late_caps = 0
+        """Folded layers the final mean capped (they kept the uncapped factor)."""
+        self.capped = 0
+        """Client layers whose factor ``mean / norm`` exceeds ``max_factor``."""
+
+    @property
+    def count(self) -> int:
+        """Number of clients folded in so far."""
+        return self._count
+
+    def add(
+        self,
+        state: Mapping[str, np.ndarray],
+        weight: float = 1.0,
+        *,
+        index: Mapping[str, Index] | None = None,
+    ) -> None:
+        """Fold one client's (grafted) state, weighted by ``weight`` (its examples).
+
+        Raises
+        ------
+        AggregationError
+            If the weight is not finite and positive, an entry does not fit the
+            global model, or a norm is not finite; nothing is folded then.
+        """
+        w = float(weight)
+        if not math.isfinite(w) or w <= 0:
+            raise AggregationError(f"weight {weight!r} must be finite and positive")
+        where = coverage_index(self.reference, state) if index is None else index
+        checked = check_update(self.reference, state, where)
+        norms: dict[str, float] = {}
+        for key, (value, at) in checked.items():
+            if key in self._scaled:  # every norm first: a bad one folds nothing
+                n = trimmed_norm(
+                    self._values(key, value, at), percentile=self.percentile, trim=self.trim
+                )
+                if not math.isfinite(n):
+                    raise AggregationError(
+                        f"layer '{key}' has norm {n!r}; norms are finite and >= 0"
+                    )
+                norms[key] = n
+        plain = {k: v for k, (v, _) in checked.items() if k not in norms}
+        if plain:
+            self._plain.add(
+                plain,
+                w,
+                index={k: i for k, (_, i) in checked.items() if i is not None and k in plain},
+            )
+        for key, n in norms.items():
+            value, at = checked[key]
+            seen = self._norms.setdefault(key, [])
+            seen.append(n)
+            self._cover.add(key, w, at)
+            x = self._values(key, value, at)  # the update again: one entry at a time
+            if n == 0:
+                self._unit.add(key, x, w, at)
+                continue
+            running = math.fsum(seen) / len(seen)
+            if n * self.max_factor < CANDIDATE_MARGIN * running:
+                self._kept.setdefault(key, []).append((x if x is not value else x.copy(), at, w, n))
+            else:
+                self._inverse.add(key, x, w / n, at)
+                self._smallest[key] = min(self._smallest.get(key, math.inf), n)
+        self._count += 1
+
+    def _values(self, key: str, value: np.ndarray, at: Index | None) -> np.ndarray:
+        if self.target == "weights":
+            return value
+        ref = self.reference[key]
+        delta: np.ndarray = np.subtract(value, ref if at is None else ref[at])
+        return delta
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Return the new global weights.
+
+        Raises
+        ------
+        AggregationError
+            If no client was folded.
+        """
+        if self._count == 0:
+            raise AggregationError("nothing to aggregate: no state was given")
+        out = self._plain.result() if self._plain.count else {}
+        for key, ref in self.reference.items():
+            if key not in self._norms:
+                if key not in out:
+                    out[key] = ref.copy()
+                continue
+            norms = self._norms[key]
+            mean = math.fsum(norms) / len(norms)
+            total = self._inverse.pop(key)
+            # min(mean, max_factor * smallest folded norm): the final mean itself unless a
+            # folded layer turns out capped; then no folded factor exceeds max_factor
+            total *= min(mean, self.max_factor * self._smallest.get(key, math.inf))
+            if key in self._unit.sums:
+                total += self._unit.pop(key)
+            kept_capped = 0
+            for x, at, w, n in self._kept.pop(key, []):
+                factor = mean / n
+                if factor > self.max_factor:
+                    factor = self.max_factor
+                    kept_capped += 1
+                add_scaled(total if at is None else total[at], x, w * factor)
+            capped = sum(1 for n in norms if n > 0 and mean / n > self.max_factor)
+            self.capped += capped
+            self.late_caps += capped - kept_capped
+            out[key] = self._cover.divide(key, total, offset=self.target == "updates")
+        return {key: out[key] for key in self.reference}

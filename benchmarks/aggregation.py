@@ -1,0 +1,335 @@
+"""Streaming aggregation: throughput against torch in place, and server memory.
+
+Three measurements, each printed as a Markdown table and written to
+``--out/table.md`` (default ``results/bench-aggregation/``):
+
+1. **Throughput**, side by side in one run on the same ``--clients`` float32 updates
+   of ``--params`` parameters (a few entries, like a model): (a) the reference, a
+   streaming float32 accumulation with torch in place (``acc.add_(t, alpha=w)``
+   per entry, then one division); (b) ours, the ``mean`` aggregator the strategies
+   use (:class:`strategies.aggregators.MeanAccumulator`); (c) the removed buffered
+   ``weighted_average`` (float64 temporaries, kept here as the baseline). Each is
+   timed ``--repeats`` times (best kept); GB/s counts the client-update bytes
+   folded. Target: ours / torch >= 0.8.
+2. **Peak memory of the mean**: ``--memory-updates`` updates of ``--params``
+   parameters generated one at a time and dropped after folding (the way replies
+   arrive), against the buffered ``weighted_average`` of ``--buffered-updates``
+   updates held in a list. Measured with :mod:`tracemalloc` (numpy reports its
+   array buffers to it; torch in-place ops on numpy memory allocate nothing): the
+   peak of what was allocated while folding, the global weights (allocated before)
+   excluded, over one model's bytes. Target: <= 3.
+3. **Peak memory of FedFA's scalable aggregation**
+   (:class:`strategies.submodel.ScalableAccumulator`) for ``--fedfa-clients``
+   clients at mixed widths (1, 1/2, 1/4): the peak must not grow with the clients.
+
+Usage::
+
+    .venv/bin/python benchmarks/aggregation.py [--params 1000000] [--clients 100]
+        [--memory-updates 1000] [--buffered-updates 100] [--fedfa-clients 10,100]
+        [--fedfa-params 1000000] [--repeats 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from strategies.aggregators import Index, MeanAggregator  # noqa: E402
+from strategies.submodel.aggregate import ScalableAccumulator  # noqa: E402
+
+log = logging.getLogger("bench.aggregation")
+
+Model = dict[str, np.ndarray]
+
+SHARES = (0.5, 0.25, 0.125, 0.125)
+"""How a model's parameters split into entries (a few layers of different sizes)."""
+
+
+def model_shapes(params: int) -> dict[str, tuple[int, ...]]:
+    """Return entry shapes totalling ``params`` values (2-D layers of 64 rows, a bias)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    left = params
+    for i, share in enumerate(SHARES[:-1]):
+        cols = max(1, int(params * share) // 64)
+        shapes[f"layer{i}.weight"] = (64, cols)
+        left -= 64 * cols
+    shapes["head.bias"] = (max(1, left),)
+    return shapes
+
+
+def make_update(shapes: Mapping[str, tuple[int, ...]], seed: int) -> Model:
+    """Return one float32 update (drawn in float32: no float64 temporary)."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+
+
+def model_bytes(model: Mapping[str, np.ndarray]) -> int:
+    """Bytes of a model's arrays."""
+    return sum(v.nbytes for v in model.values())
+
+
+# ---------------------------------------------------------------- the three contenders
+def torch_reference(updates: Sequence[Model], weights: Sequence[float]) -> Model:
+    """Streaming float32 accumulation with torch in place, then one division."""
+    sums = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in updates[0].items()}
+    for update, w in zip(updates, weights, strict=True):
+        for k, acc in sums.items():
+            acc.add_(torch.from_numpy(update[k]), alpha=w)
+    total = float(sum(weights))
+    return {k: acc.div_(total).numpy() for k, acc in sums.items()}
+
+
+def streaming_mean(reference: Model, updates: Sequence[Model], weights: Sequence[float]) -> Model:
+    """Our path: the ``mean`` aggregator's accumulator, folded one update at a time."""
+    accumulator = MeanAggregator().accumulator(reference)
+    for update, w in zip(updates, weights, strict=True):
+        accumulator.add(update, w)
+    return accumulator.result()
+
+
+def buffered_weighted_average(arrays: Sequence[Model], weights: Sequence[float]) -> Model:
+    """Average like the removed ``weighted_average``: float64, all updates at once."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    out: Model = {}
+    for key, ref in arrays[0].items():
+        acc = np.zeros(ref.shape, dtype=np.float64)
+        for i, contribution in enumerate(arrays):
+            acc += w[i] * contribution[key].astype(np.float64)
+        out[key] = acc.astype(ref.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------- measurements
+@dataclass(frozen=True)
+class Throughput:
+    """GB/s of client-update bytes folded by each contender."""
+
+    params: int
+    clients: int
+    torch_gbs: float
+    ours_gbs: float
+    buffered_gbs: float
+    max_difference: float
+
+    @property
+    def ratio(self) -> float:
+        """Ours over torch's in-place reference (target >= 0.8)."""
+        return self.ours_gbs / self.torch_gbs
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Return the fastest of ``repeats`` runs of ``run``."""
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
+    """Time the three contenders on the same updates (see the module docstring)."""
+    shapes = model_shapes(params)
+    updates = [make_update(shapes, seed) for seed in range(clients)]
+    weights = [float(10 + (7 * i) % 50) for i in range(clients)]
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    folded = clients * model_bytes(updates[0]) / 1e9
+    ours = streaming_mean(reference, updates, weights)
+    torch_out = torch_reference(updates, weights)
+    diff = max(float(np.max(np.abs(ours[k] - torch_out[k]))) for k in shapes)
+    torch_s = best_seconds(lambda: torch_reference(updates, weights), repeats)
+    ours_s = best_seconds(lambda: streaming_mean(reference, updates, weights), repeats)
+    buffered_s = best_seconds(lambda: buffered_weighted_average(updates, weights), repeats)
+    return Throughput(
+        params=sum(int(np.prod(s)) for s in shapes.values()),
+        clients=clients,
+        torch_gbs=folded / torch_s,
+        ours_gbs=folded / ours_s,
+        buffered_gbs=folded / buffered_s,
+        max_difference=diff,
+    )
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak traced bytes of one aggregation, over one model's bytes."""
+
+    what: str
+    updates: int
+    peak_bytes: int
+    model_bytes: int
+
+    @property
+    def peak_models(self) -> float:
+        """The peak in models."""
+        return self.peak_bytes / self.model_bytes
+
+
+def traced_peak(run: Callable[[], object]) -> int:
+    """Peak bytes traced by :mod:`tracemalloc` while ``run`` runs (numpy buffers included)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def measure_mean_memory(params: int, updates: int) -> Memory:
+    """Peak while folding ``updates`` updates generated one at a time (module docstring)."""
+    shapes = model_shapes(params)
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+
+    def run() -> None:
+        accumulator = MeanAggregator().accumulator(reference)
+        for seed in range(updates):
+            update = make_update(shapes, seed)  # a reply arrives ...
+            accumulator.add(update, float(1 + seed % 9))
+            del update  # ... and is dropped once folded
+        accumulator.result()
+
+    peak = traced_peak(run)
+    return Memory("mean, streaming", updates, peak, model_bytes(reference))
+
+
+def measure_buffered_memory(params: int, updates: int) -> Memory:
+    """Peak of the buffered ``weighted_average`` given the updates in a list."""
+    shapes = model_shapes(params)
+    weights = [float(1 + i % 9) for i in range(updates)]
+
+    def run() -> None:
+        held = [make_update(shapes, seed) for seed in range(updates)]
+        buffered_weighted_average(held, weights)
+
+    peak = traced_peak(run)
+    return Memory("weighted_average, buffered", updates, peak, params * 4)
+
+
+def fedfa_client(
+    global_shapes: Mapping[str, tuple[int, ...]], client: int
+) -> tuple[Model, dict[str, Index]]:
+    """One client's slice (width 1, 1/2 or 1/4 by turn) and its index."""
+    width = (1.0, 0.5, 0.25)[client % 3]
+    rng = np.random.default_rng(client)
+    state: Model = {}
+    index: dict[str, Index] = {}
+    for key, shape in global_shapes.items():
+        cut = tuple(max(1, round(n * width)) for n in shape)
+        state[key] = rng.standard_normal(cut, dtype=np.float32)
+        index[key] = tuple(slice(0, n) for n in cut)
+    return state, index
+
+
+def measure_fedfa_memory(params: int, clients: int) -> Memory:
+    """Peak of FedFA's streaming scalable aggregation of ``clients`` mixed-width slices."""
+    shapes = model_shapes(params)
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+
+    def run() -> None:
+        accumulator = ScalableAccumulator(reference, max_factor=10.0)
+        for c in range(clients):
+            state, index = fedfa_client(shapes, c)
+            accumulator.add(state, float(10 + c % 7), index=index)
+            del state
+        accumulator.result()
+
+    peak = traced_peak(run)
+    return Memory("FedFA scalable, streaming", clients, peak, model_bytes(reference))
+
+
+# ------------------------------------------------------------------------------ report
+def table(throughput: Throughput, memories: Sequence[Memory]) -> str:
+    """Return the Markdown tables of a run."""
+    t = throughput
+    lines = [
+        f"Throughput: {t.clients} float32 updates of {t.params:,} parameters "
+        f"(GB/s of update bytes folded; ours - torch max |difference| {t.max_difference:.2g})",
+        "",
+        "| aggregation | GB/s | / torch in place |",
+        "|---|---:|---:|",
+        f"| torch in place (reference) | {t.torch_gbs:.2f} | 1.00 |",
+        f"| ours: `mean` accumulator, streaming float32 | {t.ours_gbs:.2f} | {t.ratio:.2f} |",
+        f"| old `weighted_average`, buffered float64 | {t.buffered_gbs:.2f} | "
+        f"{t.buffered_gbs / t.torch_gbs:.2f} |",
+        "",
+        "Peak traced memory (tracemalloc: numpy buffers allocated during the aggregation, "
+        "the global weights excluded), in models:",
+        "",
+        "| aggregation | updates | peak MiB | peak / model |",
+        "|---|---:|---:|---:|",
+    ]
+    for m in memories:
+        lines.append(
+            f"| {m.what} | {m.updates} | {m.peak_bytes / 2**20:.1f} | {m.peak_models:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=1_000_000)
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--memory-updates", type=int, default=1000)
+    parser.add_argument("--buffered-updates", type=int, default=100)
+    parser.add_argument("--fedfa-clients", default="10,100")
+    parser.add_argument("--fedfa-params", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-aggregation")
+    args = parser.parse_args(argv)
+    for name in ("params", "clients", "memory_updates", "buffered_updates", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} is {getattr(args, name)}; use 1 or more")
+    if args.params < 256 or args.fedfa_params < 256:
+        parser.error("--params and --fedfa-params must be at least 256 (64-row layers)")
+    try:
+        args.fedfa_clients = [int(c) for c in args.fedfa_clients.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--fedfa-clients is '{args.fedfa_clients}'; give counts like 10,100")
+    if not args.fedfa_clients or min(args.fedfa_clients) < 1:
+        parser.error("--fedfa-clients needs positive counts, e.g. 10,100")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the three measurements, print the tables and write them."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log.info("torch threads: %d", torch.get_num_threads())
+    throughput = measure_throughput(args.params, args.clients, args.repeats)
+    # warm-up: first calls allocate once (imports, numpy's percentile), not per update
+    measure_mean_memory(1000, 2)
+    measure_fedfa_memory(1000, 2)
+    memories = [
+        measure_mean_memory(args.params, args.memory_updates),
+        measure_buffered_memory(args.params, args.buffered_updates),
+        *(measure_fedfa_memory(args.fedfa_params, c) for c in args.fedfa_clients),
+    ]
+    text = table(throughput, memories)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(text)
+    print(f"written: {args.out / 'table.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
