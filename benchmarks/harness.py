@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,7 +33,10 @@ class CellLike(Protocol):
 
 def default_run_config() -> dict[str, Any]:
     """Return the ``[tool.flwr.app.config]`` table of pyproject.toml (the real defaults)."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: tomli (a dependency of flwr) is what tomllib was made from
+        import tomli as tomllib
 
     with (ROOT / "pyproject.toml").open("rb") as fh:
         table = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
