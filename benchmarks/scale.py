@@ -10,7 +10,9 @@ From each run's ``metrics.jsonl`` it reports round 2 (the steady state: round 1 
 holds the handshake with every node and Ray's ClientApp start-up): the round's wall
 time, the server's time per phase (``handshake``: finding and greeting new nodes;
 ``build``: selecting nodes and building their messages; ``exchange``: pushing
-messages and pulling replies, which includes the clients' work; ``aggregate``;
+messages and pulling replies, which includes the clients' work, and within it
+``pull``, the server's time in ``pull_messages``, and ``fold``, validating and
+folding the replies; ``aggregate``;
 ``evaluate``: the global model on the server pool), and the ServerApp process's
 resident memory (now and peak). Total wall time includes Ray's start.
 
@@ -38,7 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
-PHASES = ("handshake", "build", "exchange", "aggregate", "evaluate")
+PHASES = ("handshake", "build", "exchange", "pull", "fold", "aggregate", "evaluate")
 
 log = logging.getLogger("scale")
 
@@ -130,7 +132,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table."""
     head = (
         "| nodes | replies | round 2 s | per node ms | handshake (round 1) s | build s "
-        "| exchange s | aggregate s | evaluate s | server RSS MB (peak) | total wall s |"
+        "| exchange s (pull, fold) | aggregate s | evaluate s | server RSS MB (peak) "
+        "| total wall s |"
     )
     lines = [head, "|" + "---:|" * 11]
     for r in rows:
@@ -138,7 +141,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['nodes']} | {r['num_ok']} | {r['round_seconds']:.1f} | "
             f"{1000 * r['round_seconds'] / r['nodes']:.0f} | "
             f"{r['first_handshake_seconds']:.1f} | {r['build_seconds']:.2f} | "
-            f"{r['exchange_seconds']:.1f} | {r['aggregate_seconds']:.3f} | "
+            f"{r['exchange_seconds']:.1f} ({r['pull_seconds']:.1f}, {r['fold_seconds']:.2f}) | "
+            f"{r['aggregate_seconds']:.3f} | "
             f"{r['evaluate_seconds']:.2f} | {r['server_rss_mb']:.0f} ({r['server_peak_mb']:.0f}) "
             f"| {r['wall_seconds']:.0f} |"
         )

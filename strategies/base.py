@@ -211,7 +211,8 @@ class RoundContext:
         What each selected node's reply may claim (from its handshake).
     phases : dict[str, float]
         Seconds the server spent in each phase of the round (``handshake``, ``build``,
-        ``exchange``, ``aggregate``, ``evaluate``), for the round record.
+        ``exchange``, and within it ``pull`` and ``fold``, ``aggregate``,
+        ``evaluate``), for the round record.
     shared : dict
         Records built once this round and put into several messages (:meth:`share`).
     """
@@ -716,6 +717,8 @@ class HeteroStrategy:
                 bytes_down=ctx.bytes_down,
             )
             ctx.phases["exchange"] = time.monotonic() - tick
+            ctx.phases["pull"] = outcome.pull_seconds
+            ctx.phases["fold"] = outcome.fold_seconds
             del messages  # their payloads are not needed any longer
             ctx.failures = outcome.missing
             for node, reason in outcome.missing.items():

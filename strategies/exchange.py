@@ -28,7 +28,9 @@ log = logging.getLogger("flwr.tessera")
 T = TypeVar("T")
 
 POLL_INTERVAL = 0.2
-"""Seconds between two pulls of replies (Flower's gRPC grid sleeps 3 s)."""
+"""Seconds between two pulls of replies while replies come in (Flower's grid sleeps 3 s)."""
+MAX_POLL_INTERVAL = 1.0
+"""Longest pause between polls while no reply arrives (it backs off from POLL_INTERVAL)."""
 PULL_CHUNK = 8
 """Replies pulled per call: at most this many are held before they are folded."""
 TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
@@ -121,6 +123,12 @@ class ExchangeResult:
     replies: list[Message]
     missing: dict[int, str]
     bytes_down: dict[int, int] = field(default_factory=dict)
+    pull_seconds: float = 0.0
+    """Time spent in ``pull_messages`` calls (the server's side of waiting)."""
+    fold_seconds: float = 0.0
+    """Time spent in ``on_reply`` (validating and folding the replies)."""
+    polls: int = 0
+    """Polling rounds until every reply arrived or the timeout passed."""
 
 
 def exchange(
@@ -160,7 +168,10 @@ def exchange(
         reason.
     """
     if bytes_down is None:
-        bytes_down = {int(m.metadata.dst_node_id): wire.payload_bytes(m.content) for m in messages}
+        sizes = wire.payload_sizes([m.content for m in messages])
+        bytes_down = {
+            int(m.metadata.dst_node_id): size for m, size in zip(messages, sizes, strict=True)
+        }
     if not messages:
         return ExchangeResult([], {}, bytes_down)
     pushed = call_with_retries(
@@ -180,21 +191,30 @@ def exchange(
             missing[node] = "the SuperLink did not accept the message"
     deadline = time.monotonic() + timeout
     replies: list[Message] = []
+    result = ExchangeResult(replies, missing, bytes_down)
+    wait = poll
     while pending:
+        result.polls += 1
+        got_any = False
         ids = list(pending)
         for begin in range(0, len(ids), PULL_CHUNK):
             chunk = [mid for mid in ids[begin : begin + PULL_CHUNK] if mid in pending]
             if not chunk:
                 continue
+            tick = time.monotonic()
             pulled = call_with_retries(
                 lambda chunk=chunk: list(grid.pull_messages(chunk)),  # type: ignore[misc]
                 what="pulling replies",
                 retry_timeout=retry_timeout,
             )
-            for reply in pulled:
+            result.pull_seconds += time.monotonic() - tick
+            pulled.reverse()
+            while pulled:  # each reply is let go as soon as it was handled
+                reply = pulled.pop()
                 mid = reply.metadata.reply_to_message_id
                 if mid not in pending:
                     continue
+                got_any = True
                 node = pending.pop(mid)
                 if reply.has_error():
                     # Error replies come from the SuperLink on the node's behalf (node
@@ -202,16 +222,21 @@ def exchange(
                     err = reply.error
                     missing[node] = f"error {err.code}: {short_reason(err.reason or '')}"
                 elif on_reply is not None:
+                    tick = time.monotonic()
                     on_reply(reply)
+                    result.fold_seconds += time.monotonic() - tick
                 else:
                     replies.append(reply)
-            del pulled
+                del reply
         if not pending or time.monotonic() >= deadline:
             break
-        time.sleep(poll)
+        # poll quickly while replies come in, back off while none do: a round of
+        # hundreds of nodes is otherwise polled hundreds of times for nothing
+        wait = poll if got_any else min(wait * 1.5, max(poll, MAX_POLL_INTERVAL))
+        time.sleep(min(wait, max(deadline - time.monotonic(), 0.0)))
     for node in pending.values():
         missing[node] = f"no reply within round-timeout={timeout:g}s"
-    return ExchangeResult(replies, missing, bytes_down)
+    return result
 
 
 def is_simulation(grid: Grid) -> bool:
