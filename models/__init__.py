@@ -11,6 +11,12 @@ model of each of ``mobilenetv2``, ``vgg``, ``densenet`` and ``resnet``
 (:data:`models.registry.MIXED_MEMBERS`) by ascending cost, so that devices of
 different capacity pick different families.
 
+Inputs are images ``(C, H, W)``, signals ``(C, L)`` or flat vectors ``(L,)``. Every
+convolutional family has a 2-d form for images and a 1-d form (``Conv1d``,
+``BatchNorm1d``, 1-d pooling; same table, names and sizes) for signals; a flat vector
+is a one-channel signal by default, or, with ``get_model(..., flat_input="square")``,
+a zero-padded square image (:mod:`models.base`).
+
 The sectioned families (``preresnet``, ``mobilenetv2``) can be sliced by width and
 depth: :func:`build_submodel` builds any :class:`~strategies.submodel.SubModelSpec`
 of a registered model's config (``model_entry(name).config``), and
@@ -28,6 +34,8 @@ Examples
 # Importing the family modules registers their models; keep one import per family.
 from models import cnn, densenet, mlp, mobilenetv2, preresnet, resnet, tv, vgg
 from models.base import (
+    FLAT_INPUTS,
+    FlatInput,
     TesseraModel,
     count_activations,
     count_macs,
@@ -67,12 +75,14 @@ from models.vgg import VGG, VGGConfig
 
 __all__ = [
     "CNN",
+    "FLAT_INPUTS",
     "MLP",
     "VGG",
     "BlockPlan",
     "CNNConfig",
     "DenseNet",
     "DenseNetConfig",
+    "FlatInput",
     "InvertedResidualSetting",
     "MobileNetV2",
     "MobileNetV2Config",

@@ -5,15 +5,17 @@ convolutions and three fully connected layers (``cnn-5``); the table is
 :data:`CNN_CONFIGS`. Each convolution is a bias-free 3x3 convolution with padding 1,
 followed by the injected norm, a ReLU and a 2x2 max-pool; the max-pool is skipped
 once the feature map is 1 pixel high or wide, so 8x8 digits and 5x5 images made from
-20-d vectors both work. Global average pooling then flattens the maps.
+20-d vectors both work. Global average pooling then flattens the maps. In the 1-d form
+(signals) the same table gives 3-wide convolutions and 2-wide max-pools.
 
 Hidden fully connected layers are ``Linear + ReLU`` without normalisation, as in
 FedHeNN. The representation (:meth:`CNN.forward_features`) is the output of the last
 hidden fully connected layer, or the pooled convolutional features when the model has
 no hidden fully connected layer; the head is the final linear layer.
 
-Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
-:class:`models.base.ImageAdapter`.
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form
+(``Conv1d``, ``BatchNorm1d``, ``MaxPool1d``); ``flat_input="square"`` reshapes a flat
+vector to a one-channel square image instead, see :class:`models.base.InputAdapter`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
-from models.layers import conv3x3
+from models.base import FlatInput, InputAdapter, TesseraModel
 from models.norm import NormFactory, batch_norm
 from models.registry import register_model
 
@@ -81,11 +82,14 @@ class CNN(TesseraModel):
     config : CNNConfig
         Convolution channels and hidden fully connected widths.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
-        Normalisation after each convolution, batch norm by default.
+        Normalisation after each convolution, batch norm by default (its 1-d form
+        for signals, :func:`models.norm.norm_for_ndim`).
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
     """
 
     def __init__(
@@ -95,25 +99,28 @@ class CNN(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
         feature_dim = (config.fc_features or config.conv_channels)[-1]
         super().__init__(input_shape=input_shape, feature_dim=feature_dim, num_classes=num_classes)
         self.config = config
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
-        in_channels, height, width = self.adapter.output_shape
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        spatial = self.adapter.layers
+        norm = spatial.norm(norm_layer)
+        in_channels, *size = self.adapter.output_shape
 
         layers: list[nn.Module] = []
         for out_channels in config.conv_channels:
             layers += [
-                conv3x3(in_channels, out_channels),
-                norm_layer(out_channels),
+                spatial.conv3x3(in_channels, out_channels),
+                norm(out_channels),
                 nn.ReLU(),
             ]
-            if min(height, width) > 1:
-                layers.append(nn.MaxPool2d(2))
-                height, width = height // 2, width // 2
+            if min(size) > 1:
+                layers.append(spatial.max_pool())
+                size = [s // 2 for s in size]
             in_channels = out_channels
-        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        layers += list(spatial.global_pool())
         self.convs = nn.Sequential(*layers)
 
         fcs: list[nn.Module] = []
@@ -142,13 +149,18 @@ class CNN(TesseraModel):
 
 
 def _build(
-    name: str, input_shape: tuple[int, ...], num_classes: int, norm_layer: NormFactory
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory,
+    flat_input: FlatInput,
 ) -> CNN:
     return CNN(
         config=CNN_CONFIGS[name],
         input_shape=input_shape,
         num_classes=num_classes,
         norm_layer=norm_layer,
+        flat_input=flat_input,
     )
 
 
@@ -158,9 +170,10 @@ def cnn_1(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> CNN:
     """Build ``cnn-1``: conv(16), pooled features (16-d), head."""
-    return _build("cnn-1", input_shape, num_classes, norm_layer)
+    return _build("cnn-1", input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("cnn-2", family="cnn", size_rank=1, description="2 conv(16, 32) + 1 fc")
@@ -169,9 +182,10 @@ def cnn_2(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> CNN:
     """Build ``cnn-2``: conv(16), conv(32), pooled features (32-d), head."""
-    return _build("cnn-2", input_shape, num_classes, norm_layer)
+    return _build("cnn-2", input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("cnn-3", family="cnn", size_rank=2, description="2 conv(16, 32) + 2 fc")
@@ -180,9 +194,10 @@ def cnn_3(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> CNN:
     """Build ``cnn-3``: conv(16), conv(32), fc(64) representation, head."""
-    return _build("cnn-3", input_shape, num_classes, norm_layer)
+    return _build("cnn-3", input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("cnn-4", family="cnn", size_rank=3, description="3 conv(16, 32, 64) + 2 fc")
@@ -191,9 +206,10 @@ def cnn_4(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> CNN:
     """Build ``cnn-4``: conv(16), conv(32), conv(64), fc(128) representation, head."""
-    return _build("cnn-4", input_shape, num_classes, norm_layer)
+    return _build("cnn-4", input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("cnn-5", family="cnn", size_rank=4, description="3 conv(32, 64, 128) + 3 fc")
@@ -202,6 +218,7 @@ def cnn_5(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> CNN:
     """Build ``cnn-5``: conv(32, 64, 128), fc(256), fc(128) representation, head."""
-    return _build("cnn-5", input_shape, num_classes, norm_layer)
+    return _build("cnn-5", input_shape, num_classes, norm_layer, flat_input)

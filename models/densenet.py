@@ -20,8 +20,10 @@ Depth counts the weight layers: ``2 + 2 * sum(block_config) + len(block_config) 
 (stem, two convolutions per dense layer, one per transition, head), so the registered
 ``densenet40_k12`` is DenseNet-BC with L=40, k=12.
 
-Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
-:class:`models.base.ImageAdapter`.
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
+same table (``Conv1d``, 1-d norms and pooling, built through
+:class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
+to a one-channel square image instead, see :class:`models.base.InputAdapter`.
 
 State-dict layout: ``stem.weight``, dense layer ``l`` of block ``b`` under
 ``blocks.{b}.{l}.`` (``norm1``, ``conv1``, ``norm2``, ``conv2``), transition ``b``
@@ -41,8 +43,8 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
-from models.layers import conv1x1, conv3x3, init_conv_weights
+from models.base import FlatInput, InputAdapter, TesseraModel
+from models.layers import LAYERS_2D, SpatialLayers, init_conv_weights
 from models.norm import NormFactory, batch_norm
 from models.registry import register_variants
 
@@ -132,11 +134,20 @@ class DenseNetConfig:
         return self.block_channels()[-1][1]
 
     def build(
-        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> DenseNet:
         """Build the :class:`DenseNet` this config describes."""
         return DenseNet(
-            config=self, input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+            config=self,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            norm_layer=norm_layer,
+            flat_input=flat_input,
         )
 
 
@@ -152,7 +163,9 @@ class DenseLayer(nn.Module):
     bottleneck_channels : int
         Output channels of the 1x1 convolution.
     norm_layer : NormFactory
-        Normalisation before each convolution.
+        Normalisation before each convolution, of the dimensionality of ``layers``.
+    layers : SpatialLayers, optional
+        Convolution types, 2-d by default.
     """
 
     def __init__(
@@ -162,14 +175,15 @@ class DenseLayer(nn.Module):
         growth_rate: int,
         bottleneck_channels: int,
         norm_layer: NormFactory,
+        layers: SpatialLayers = LAYERS_2D,
     ) -> None:
         super().__init__()
         self.norm1 = norm_layer(in_channels)
         self.relu1 = nn.ReLU()
-        self.conv1 = conv1x1(in_channels, bottleneck_channels)
+        self.conv1 = layers.conv1x1(in_channels, bottleneck_channels)
         self.norm2 = norm_layer(bottleneck_channels)
         self.relu2 = nn.ReLU()
-        self.conv2 = conv3x3(bottleneck_channels, growth_rate)
+        self.conv2 = layers.conv3x3(bottleneck_channels, growth_rate)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the layer and concatenate its new maps to its input.
@@ -177,12 +191,12 @@ class DenseLayer(nn.Module):
         Parameters
         ----------
         x : Tensor
-            Feature map of shape ``(N, in_channels, H, W)``.
+            Feature map of shape ``(N, in_channels, *spatial)``.
 
         Returns
         -------
         Tensor
-            Feature map of shape ``(N, in_channels + growth_rate, H, W)``.
+            Feature map of shape ``(N, in_channels + growth_rate, *spatial)``.
         """
         out = self.conv1(self.relu1(self.norm1(x)))
         new = self.conv2(self.relu2(self.norm2(out)))
@@ -197,11 +211,13 @@ class DenseNet(TesseraModel):
     config : DenseNetConfig
         Growth rate, layers per block, bottleneck size, compression, stem width.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
         Normalisation before each convolution and at the end, batch norm by default.
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
     """
 
     def __init__(
@@ -211,14 +227,17 @@ class DenseNet(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
         super().__init__(
             input_shape=input_shape, feature_dim=config.feature_dim, num_classes=num_classes
         )
         self.config = config
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
-        in_channels, height, width = self.adapter.output_shape
-        self.stem = conv3x3(in_channels, config.init_features)
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        spatial = self.adapter.layers
+        norm_layer = spatial.norm(norm_layer)
+        in_channels, *size = self.adapter.output_shape
+        self.stem = spatial.conv3x3(in_channels, config.init_features)
         plan = config.block_channels()
         blocks: list[nn.Module] = []
         transitions: list[nn.Module] = []
@@ -233,6 +252,7 @@ class DenseNet(TesseraModel):
                             growth_rate=config.growth_rate,
                             bottleneck_channels=config.bottleneck_channels,
                             norm_layer=norm_layer,
+                            layers=spatial,
                         )
                         for layer in range(layers)
                     )
@@ -243,19 +263,18 @@ class DenseNet(TesseraModel):
                 transition: list[nn.Module] = [
                     norm_layer(block_out),
                     nn.ReLU(),
-                    conv1x1(block_out, next_in),
+                    spatial.conv1x1(block_out, next_in),
                 ]
-                if min(height, width) > 1:
-                    transition.append(nn.AvgPool2d(2))
-                    height, width = height // 2, width // 2
+                if min(size) > 1:
+                    transition.append(spatial.avg_pool())
+                    size = [s // 2 for s in size]
                 transitions.append(nn.Sequential(*transition))
         self.blocks = nn.ModuleList(blocks)
         self.transitions = nn.ModuleList(transitions)
         self.final = nn.Sequential(
             norm_layer(config.feature_dim),
             nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
+            *spatial.global_pool(),
         )
         self.head = nn.Linear(config.feature_dim, num_classes)
         init_conv_weights(self)

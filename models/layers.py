@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Final
+
 import torch
 from torch import nn
 
+from models.norm import NormFactory, norm_for_ndim
 from models.spec import sub_channels
 
 __all__ = [
     "BLOCK_STEP",
+    "LAYERS_1D",
+    "LAYERS_2D",
+    "SpatialLayers",
     "block_step",
-    "conv1x1",
-    "conv3x3",
     "init_conv_weights",
     "make_divisible",
     "slice_channels",
+    "spatial_layers",
 ]
 
 
@@ -92,60 +98,134 @@ def block_step() -> nn.Parameter:
     return nn.Parameter(torch.ones(()))
 
 
-def conv3x3(in_channels: int, out_channels: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
-    """Build a bias-free 3x3 convolution with padding 1.
+@dataclass(frozen=True)
+class SpatialLayers:
+    """The layer types of one spatial dimensionality, injected into the conv families.
 
-    Parameters
+    A convolutional family builds every convolution, pooling and normalisation
+    through one of these, so the same architecture table gives a 2-d model for
+    images ``(N, C, H, W)`` and a 1-d model for signals ``(N, C, L)``
+    (:data:`LAYERS_2D`, :data:`LAYERS_1D`). Kernel sizes are per spatial axis: a
+    "3x3" convolution is 3 wide in 1-d, a 2x2 pool halves the length.
+
+    Attributes
     ----------
-    in_channels : int
-        Input channels.
-    out_channels : int
-        Output channels.
-    stride : int, optional
-        Stride, by default 1.
-    groups : int, optional
-        Groups, by default 1 (``in_channels`` for a depthwise convolution).
-
-    Returns
-    -------
-    nn.Conv2d
-        The convolution; the norm layer that follows it provides the shift.
+    ndim : int
+        Spatial dimensionality: 1 (signals) or 2 (images).
     """
-    return nn.Conv2d(
-        in_channels,
-        out_channels,
-        kernel_size=3,
-        stride=stride,
-        padding=1,
-        groups=groups,
-        bias=False,
-    )
+
+    ndim: int
+
+    def __post_init__(self) -> None:
+        """Validate ``ndim``."""
+        if isinstance(self.ndim, bool) or self.ndim not in (1, 2):
+            raise ValueError(
+                f"SpatialLayers.ndim must be 1 (signals (N, C, L)) or 2 (images "
+                f"(N, C, H, W)), got {self.ndim!r}."
+            )
+
+    def conv3x3(
+        self, in_channels: int, out_channels: int, stride: int = 1, groups: int = 1
+    ) -> nn.Conv1d | nn.Conv2d:
+        """Build a bias-free 3x3 (3 in 1-d) convolution with padding 1.
+
+        Parameters
+        ----------
+        in_channels : int
+            Input channels.
+        out_channels : int
+            Output channels.
+        stride : int, optional
+            Stride, by default 1.
+        groups : int, optional
+            Groups, by default 1 (``in_channels`` for a depthwise convolution).
+
+        Returns
+        -------
+        nn.Conv1d or nn.Conv2d
+            The convolution; the norm layer that follows it provides the shift.
+        """
+        conv = nn.Conv1d if self.ndim == 1 else nn.Conv2d
+        return conv(
+            in_channels,
+            out_channels,
+            kernel_size=3,
+            stride=stride,
+            padding=1,
+            groups=groups,
+            bias=False,
+        )
+
+    def conv1x1(
+        self, in_channels: int, out_channels: int, stride: int = 1
+    ) -> nn.Conv1d | nn.Conv2d:
+        """Build a bias-free 1x1 (1 in 1-d) convolution.
+
+        Parameters
+        ----------
+        in_channels : int
+            Input channels.
+        out_channels : int
+            Output channels.
+        stride : int, optional
+            Stride, by default 1.
+
+        Returns
+        -------
+        nn.Conv1d or nn.Conv2d
+            The convolution.
+        """
+        conv = nn.Conv1d if self.ndim == 1 else nn.Conv2d
+        return conv(in_channels, out_channels, kernel_size=1, stride=stride, bias=False)
+
+    def max_pool(self) -> nn.Module:
+        """Build a 2x2 (2 in 1-d) max-pool with stride 2."""
+        return nn.MaxPool1d(2) if self.ndim == 1 else nn.MaxPool2d(2)
+
+    def avg_pool(self) -> nn.Module:
+        """Build a 2x2 (2 in 1-d) average pool with stride 2."""
+        return nn.AvgPool1d(2) if self.ndim == 1 else nn.AvgPool2d(2)
+
+    def global_pool(self) -> nn.Sequential:
+        """Build global average pooling followed by flattening to ``(N, C)``."""
+        pool = nn.AdaptiveAvgPool1d(1) if self.ndim == 1 else nn.AdaptiveAvgPool2d(1)
+        return nn.Sequential(pool, nn.Flatten())
+
+    def norm(self, norm_layer: NormFactory) -> NormFactory:
+        """Return the counterpart of ``norm_layer`` for this dimensionality.
+
+        See :func:`models.norm.norm_for_ndim`: ``batch`` becomes ``BatchNorm1d`` in
+        1-d; a factory that is not registered there is returned unchanged.
+        """
+        return norm_for_ndim(norm_layer, self.ndim)
 
 
-def conv1x1(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
-    """Build a bias-free 1x1 convolution.
+LAYERS_1D: Final = SpatialLayers(ndim=1)
+"""Layers of the 1-d form: ``Conv1d``, ``MaxPool1d``, ``BatchNorm1d`` ..."""
 
-    Parameters
-    ----------
-    in_channels : int
-        Input channels.
-    out_channels : int
-        Output channels.
-    stride : int, optional
-        Stride, by default 1.
+LAYERS_2D: Final = SpatialLayers(ndim=2)
+"""Layers of the 2-d form: ``Conv2d``, ``MaxPool2d``, ``BatchNorm2d`` ..."""
 
-    Returns
-    -------
-    nn.Conv2d
-        The convolution.
+
+def spatial_layers(ndim: int) -> SpatialLayers:
+    """Return :data:`LAYERS_1D` or :data:`LAYERS_2D` for a spatial dimensionality.
+
+    Raises
+    ------
+    ValueError
+        If ``ndim`` is not 1 or 2.
     """
-    return nn.Conv2d(in_channels, out_channels, kernel_size=1, stride=stride, bias=False)
+    if ndim == 1 and not isinstance(ndim, bool):
+        return LAYERS_1D
+    if ndim == 2 and not isinstance(ndim, bool):
+        return LAYERS_2D
+    return SpatialLayers(ndim=ndim)  # raises with the message of SpatialLayers
 
 
 def init_conv_weights(module: nn.Module) -> None:
     """Initialise a network the way torchvision initialises ResNets.
 
-    Convolutions get Kaiming-normal weights (fan-out, ReLU gain); norm layers with
+    Convolutions (1-d and 2-d) get Kaiming-normal weights (fan-out, ReLU gain); norm layers with
     affine parameters get weight 1 and bias 0; linear layers keep PyTorch's default.
     Deterministic given ``torch.manual_seed``.
 
@@ -155,11 +235,11 @@ def init_conv_weights(module: nn.Module) -> None:
         Network whose submodules are initialised in place.
     """
     for m in module.modules():
-        if isinstance(m, nn.Conv2d):
+        if isinstance(m, (nn.Conv1d, nn.Conv2d)):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
-        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) and m.weight is not None:
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)) and m.weight is not None:
             nn.init.ones_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)

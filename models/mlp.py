@@ -5,6 +5,8 @@ hidden layer is ``Linear -> norm -> ReLU``; the injected norm is applied to the
 ``(N, C)`` activations through :class:`models.norm.VectorNorm`, which makes ``batch``
 behave as ``BatchNorm1d``. The output of the last hidden layer is the representation.
 The hidden widths of each registered size are the data in :data:`MLP_HIDDEN`.
+The builders accept ``flat_input`` like every registered builder and ignore it: a
+flattened input is the same whatever its form.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import TesseraModel, check_batch_shape
+from models.base import FlatInput, TesseraModel, check_batch_shape
 from models.norm import NormFactory, VectorNorm, batch_norm
 from models.registry import register_model
 
@@ -109,8 +111,10 @@ def mlp_s(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> MLP:
     """Build ``mlp-s``: one hidden layer of 64."""
+    del flat_input  # an MLP flattens every input, a vector is a vector
     return _build("mlp-s", input_shape, num_classes, norm_layer)
 
 
@@ -120,8 +124,10 @@ def mlp_m(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> MLP:
     """Build ``mlp-m``: hidden layers of 128 and 64."""
+    del flat_input  # an MLP flattens every input, a vector is a vector
     return _build("mlp-m", input_shape, num_classes, norm_layer)
 
 
@@ -131,6 +137,8 @@ def mlp_l(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> MLP:
     """Build ``mlp-l``: hidden layers of 256, 128 and 64."""
+    del flat_input  # an MLP flattens every input, a vector is a vector
     return _build("mlp-l", input_shape, num_classes, norm_layer)

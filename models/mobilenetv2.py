@@ -13,8 +13,10 @@ at 1x1 (8, 8, 8, 4, 2, 2, 1). A stride-2 3x3 convolution with padding maps 1x1 t
 out so that ``forward`` is deterministic. The representation is the pooled output of
 the last 1x1 convolution (1280-d for ``width_mult <= 1``).
 
-Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
-:class:`models.base.ImageAdapter`.
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
+same table (``Conv1d``, 1-d norms and pooling, built through
+:class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
+to a one-channel square image instead, see :class:`models.base.InputAdapter`.
 
 State-dict layout: the stem under ``stem.`` (``stem.0`` convolution, ``stem.1``
 norm), block ``b`` of section ``s`` under ``sections.{s}.{b}.block.``, the last 1x1
@@ -35,11 +37,11 @@ from typing import Final, NamedTuple
 
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
+from models.base import FlatInput, InputAdapter, TesseraModel
 from models.layers import (
+    LAYERS_2D,
+    SpatialLayers,
     block_step,
-    conv1x1,
-    conv3x3,
     init_conv_weights,
     make_divisible,
     slice_channels,
@@ -301,11 +303,20 @@ class MobileNetV2Config:
         return replace(self, depths=kept, slice_width=width)
 
     def build(
-        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> MobileNetV2:
         """Build the :class:`MobileNetV2` this config describes."""
         return MobileNetV2(
-            config=self, input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+            config=self,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            norm_layer=norm_layer,
+            flat_input=flat_input,
         )
 
 
@@ -321,20 +332,29 @@ class InvertedResidual(nn.Module):
     step : bool, optional
         With a residual connection, scale the branch by a learnable scalar ``step``
         (initialised to 1).
+    spatial : SpatialLayers, optional
+        Convolution types, 2-d by default; ``norm_layer`` must match them.
     """
 
-    def __init__(self, *, plan: BlockPlan, norm_layer: NormFactory, step: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        plan: BlockPlan,
+        norm_layer: NormFactory,
+        step: bool = False,
+        spatial: SpatialLayers = LAYERS_2D,
+    ) -> None:
         super().__init__()
         hidden = plan.hidden_channels
         self.use_residual = plan.residual
         layers: list[nn.Module] = []
         if plan.expand:
-            layers += [conv1x1(plan.in_channels, hidden), norm_layer(hidden), nn.ReLU6()]
+            layers += [spatial.conv1x1(plan.in_channels, hidden), norm_layer(hidden), nn.ReLU6()]
         layers += [
-            conv3x3(hidden, hidden, plan.stride, groups=hidden),
+            spatial.conv3x3(hidden, hidden, plan.stride, groups=hidden),
             norm_layer(hidden),
             nn.ReLU6(),
-            conv1x1(hidden, plan.out_channels),
+            spatial.conv1x1(hidden, plan.out_channels),
             norm_layer(plan.out_channels),
         ]
         self.block = nn.Sequential(*layers)
@@ -346,12 +366,12 @@ class InvertedResidual(nn.Module):
         Parameters
         ----------
         x : Tensor
-            Feature map of shape ``(N, in_channels, H, W)``.
+            Feature map of shape ``(N, in_channels, *spatial)``.
 
         Returns
         -------
         Tensor
-            Feature map of shape ``(N, out_channels, H', W')``.
+            Feature map of shape ``(N, out_channels, *spatial')``.
         """
         out: Tensor = self.block(x)
         if self.step is not None:
@@ -367,11 +387,13 @@ class MobileNetV2(TesseraModel):
     config : MobileNetV2Config
         Width multiplier, section depths and inverted-residual table.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
         Normalisation after each convolution, batch norm by default.
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
     """
 
     def __init__(
@@ -381,6 +403,7 @@ class MobileNetV2(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
         super().__init__(
             input_shape=input_shape,
@@ -388,10 +411,12 @@ class MobileNetV2(TesseraModel):
             num_classes=num_classes,
         )
         self.config = config
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        spatial = self.adapter.layers
+        norm_layer = spatial.norm(norm_layer)
         stem = config.stem_width
         self.stem = nn.Sequential(
-            conv3x3(self.adapter.output_shape[0], stem, config.stem_stride),
+            spatial.conv3x3(self.adapter.output_shape[0], stem, config.stem_stride),
             norm_layer(stem),
             nn.ReLU6(),
         )
@@ -400,7 +425,12 @@ class MobileNetV2(TesseraModel):
             *(
                 nn.Sequential(
                     *(
-                        InvertedResidual(plan=plan, norm_layer=norm_layer, step=config.block_step)
+                        InvertedResidual(
+                            plan=plan,
+                            norm_layer=norm_layer,
+                            step=config.block_step,
+                            spatial=spatial,
+                        )
                         for plan in section
                     )
                 )
@@ -409,11 +439,10 @@ class MobileNetV2(TesseraModel):
         )
         last = plans[-1][-1].out_channels
         self.final = nn.Sequential(
-            conv1x1(last, config.feature_dim),
+            spatial.conv1x1(last, config.feature_dim),
             norm_layer(config.feature_dim),
             nn.ReLU6(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
+            *spatial.global_pool(),
         )
         self.head = nn.Linear(config.feature_dim, num_classes)
         init_conv_weights(self)

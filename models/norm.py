@@ -6,8 +6,15 @@ learning needs this seam: HeteroFL uses *static* batch normalisation (no running
 statistics, so nothing client-specific is aggregated), other schemes prefer group
 normalisation, which does not depend on the batch at all.
 
-All factories returned by :func:`get_norm` build modules for 4-d feature maps
-``(N, C, H, W)``. Fully connected layers use them through :class:`VectorNorm`, which
+Every norm name has a factory per spatial dimensionality: ``get_norm(name)`` builds
+modules for images ``(N, C, H, W)`` (``ndim=2``, the default), ``get_norm(name,
+ndim=1)`` for signals ``(N, C, L)`` (``BatchNorm1d`` instead of ``BatchNorm2d``;
+group norm and the identity serve both). A convolutional model built for signals maps
+the factory it is given to its 1-d counterpart with :func:`norm_for_ndim`, so callers
+pass the same factory (or norm name) whatever the input. Both counterparts of a norm
+have the same state-dict entries.
+
+Fully connected layers use the 2-d factories through :class:`VectorNorm`, which
 views a ``(N, C)`` batch as ``(N, C, 1, 1)``; for every norm offered here that is
 exactly the 1-d counterpart (``BatchNorm2d`` on ``(N, C, 1, 1)`` computes the same
 statistics as ``BatchNorm1d`` on ``(N, C)``).
@@ -59,6 +66,38 @@ def static_batch_norm(num_channels: int) -> nn.Module:
         running statistics, so its output is the same in train and eval mode.
     """
     return nn.BatchNorm2d(num_channels, track_running_stats=False)
+
+
+def batch_norm_1d(num_channels: int) -> nn.Module:
+    """Build a ``BatchNorm1d`` with running statistics, the 1-d form of ``batch``.
+
+    Parameters
+    ----------
+    num_channels : int
+        Number of channels to normalise.
+
+    Returns
+    -------
+    nn.Module
+        A ``BatchNorm1d(num_channels)``.
+    """
+    return nn.BatchNorm1d(num_channels)
+
+
+def static_batch_norm_1d(num_channels: int) -> nn.Module:
+    """Build HeteroFL's static batch norm for signals ``(N, C, L)``.
+
+    Parameters
+    ----------
+    num_channels : int
+        Number of channels to normalise.
+
+    Returns
+    -------
+    nn.Module
+        A ``BatchNorm1d(num_channels, track_running_stats=False)``.
+    """
+    return nn.BatchNorm1d(num_channels, track_running_stats=False)
 
 
 def group_count(num_channels: int, max_groups: int = MAX_GROUPS) -> int:
@@ -124,14 +163,18 @@ def no_norm(num_channels: int) -> nn.Module:
     return nn.Identity()
 
 
-_NORMS: Final[Mapping[str, NormFactory]] = MappingProxyType(
+NORM_NDIMS: Final = (1, 2)
+"""Spatial dimensionalities with a factory for every norm: signals (1), images (2)."""
+
+_NORMS: Final[Mapping[str, Mapping[int, NormFactory]]] = MappingProxyType(
     {
-        "batch": batch_norm,
-        "static-batch": static_batch_norm,
-        "group": group_norm,
-        "none": no_norm,
+        "batch": MappingProxyType({2: batch_norm, 1: batch_norm_1d}),
+        "static-batch": MappingProxyType({2: static_batch_norm, 1: static_batch_norm_1d}),
+        "group": MappingProxyType({2: group_norm, 1: group_norm}),
+        "none": MappingProxyType({2: no_norm, 1: no_norm}),
     }
 )
+"""Norm name -> spatial dimensionality -> factory."""
 
 
 def list_norms() -> list[str]:
@@ -145,16 +188,27 @@ def list_norms() -> list[str]:
     return list(_NORMS)
 
 
-def get_norm(name: str) -> NormFactory:
+def _check_ndim(ndim: int) -> int:
+    if isinstance(ndim, bool) or ndim not in NORM_NDIMS:
+        raise ValueError(
+            f"ndim must be 1 (signals (N, C, L)) or 2 (images (N, C, H, W)), got {ndim!r}."
+        )
+    return int(ndim)
+
+
+def get_norm(name: str, *, ndim: int = 2) -> NormFactory:
     """Return the normalisation factory registered under ``name``.
 
     Parameters
     ----------
     name : str
-        One of ``"batch"`` (``BatchNorm2d``), ``"static-batch"``
-        (``BatchNorm2d(track_running_stats=False)``, HeteroFL's static BN),
+        One of ``"batch"`` (``BatchNorm2d`` / ``BatchNorm1d``), ``"static-batch"``
+        (the same with ``track_running_stats=False``, HeteroFL's static BN),
         ``"group"`` (``GroupNorm``, largest group count <= 32 dividing the channels)
         or ``"none"`` (``Identity``).
+    ndim : int, optional
+        Spatial dimensionality of the feature maps: 2 (images, the default) or 1
+        (signals).
 
     Returns
     -------
@@ -164,12 +218,45 @@ def get_norm(name: str) -> NormFactory:
     Raises
     ------
     ValueError
-        If ``name`` is not a known normalisation.
+        If ``name`` is not a known normalisation or ``ndim`` is not 1 or 2.
     """
+    dims = _check_ndim(ndim)
     try:
-        return _NORMS[name]
+        return _NORMS[name][dims]
     except (KeyError, TypeError):
         raise ValueError(f"Unknown norm {name!r}. Valid norms: {', '.join(_NORMS)}.") from None
+
+
+def norm_for_ndim(norm_layer: NormFactory, ndim: int) -> NormFactory:
+    """Return the counterpart of a registered norm factory for feature maps of ``ndim``.
+
+    ``norm_for_ndim(get_norm("batch"), 1)`` is ``get_norm("batch", ndim=1)``, and
+    every registered factory maps to itself for its own ``ndim``. A factory that is
+    not registered here (one a caller wrote) is returned unchanged: its author built
+    it for the model's input.
+
+    Parameters
+    ----------
+    norm_layer : NormFactory
+        A factory, usually from :func:`get_norm`.
+    ndim : int
+        Spatial dimensionality of the feature maps it will normalise: 1 or 2.
+
+    Returns
+    -------
+    NormFactory
+        The factory of the same norm for ``ndim``.
+
+    Raises
+    ------
+    ValueError
+        If ``ndim`` is not 1 or 2.
+    """
+    dims = _check_ndim(ndim)
+    for by_ndim in _NORMS.values():
+        if any(norm_layer is factory for factory in by_ndim.values()):
+            return by_ndim[dims]
+    return norm_layer
 
 
 class VectorNorm(nn.Module):

@@ -7,8 +7,10 @@ output is the representation. The architecture is a frozen
 rounded with :func:`models.layers.make_divisible`. Stem and strides are CIFAR-style
 (3x3 stride-1 stem, stages at stride 1, 2, 2, 2), so 8x8 inputs work.
 
-Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
-:class:`models.base.ImageAdapter`.
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
+same table (``Conv1d``, 1-d norms and pooling, built through
+:class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
+to a one-channel square image instead, see :class:`models.base.InputAdapter`.
 
 State-dict layout: ``stem.weight``, block ``b`` of stage ``s`` under
 ``sections.{s}.{b}.`` (``norm1``, ``conv1``, ``norm2``, ``conv2``, ``shortcut``),
@@ -27,11 +29,11 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
+from models.base import FlatInput, InputAdapter, TesseraModel
 from models.layers import (
+    LAYERS_2D,
+    SpatialLayers,
     block_step,
-    conv1x1,
-    conv3x3,
     init_conv_weights,
     make_divisible,
     slice_channels,
@@ -144,11 +146,20 @@ class PreResNetConfig:
         return replace(self, stage_depths=kept, slice_width=width)
 
     def build(
-        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> PreResNet:
         """Build the :class:`PreResNet` this config describes."""
         return PreResNet(
-            config=self, input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+            config=self,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            norm_layer=norm_layer,
+            flat_input=flat_input,
         )
 
     @property
@@ -172,9 +183,11 @@ class PreActBlock(nn.Module):
     stride : int
         Stride of the first convolution and of the projection shortcut.
     norm_layer : NormFactory
-        Normalisation before each convolution.
+        Normalisation before each convolution, of the dimensionality of ``layers``.
     step : bool, optional
         Scale the residual branch by a learnable scalar ``step`` (initialised to 1).
+    layers : SpatialLayers, optional
+        Convolution types, 2-d by default.
     """
 
     def __init__(
@@ -185,17 +198,18 @@ class PreActBlock(nn.Module):
         stride: int,
         norm_layer: NormFactory,
         step: bool = False,
+        layers: SpatialLayers = LAYERS_2D,
     ) -> None:
         super().__init__()
         self.norm1 = norm_layer(in_channels)
         self.relu1 = nn.ReLU()
-        self.conv1 = conv3x3(in_channels, out_channels, stride)
+        self.conv1 = layers.conv3x3(in_channels, out_channels, stride)
         self.norm2 = norm_layer(out_channels)
         self.relu2 = nn.ReLU()
-        self.conv2 = conv3x3(out_channels, out_channels)
+        self.conv2 = layers.conv3x3(out_channels, out_channels)
         self.shortcut: nn.Module | None = None
         if stride != 1 or in_channels != out_channels:
-            self.shortcut = conv1x1(in_channels, out_channels, stride)
+            self.shortcut = layers.conv1x1(in_channels, out_channels, stride)
         self.step = block_step() if step else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -204,12 +218,12 @@ class PreActBlock(nn.Module):
         Parameters
         ----------
         x : Tensor
-            Feature map of shape ``(N, in_channels, H, W)``.
+            Feature map of shape ``(N, in_channels, *spatial)``.
 
         Returns
         -------
         Tensor
-            Feature map of shape ``(N, out_channels, H', W')``.
+            Feature map of shape ``(N, out_channels, *spatial')``.
         """
         out = self.relu1(self.norm1(x))
         shortcut = x if self.shortcut is None else self.shortcut(out)
@@ -229,11 +243,13 @@ class PreResNet(TesseraModel):
     config : PreResNetConfig
         Blocks per stage, width multiplier and base widths.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
         Normalisation before each convolution, batch norm by default.
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
     """
 
     def __init__(
@@ -243,12 +259,15 @@ class PreResNet(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
         widths = config.widths
         super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
         self.config = config
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
-        self.stem = conv3x3(self.adapter.output_shape[0], widths[0])
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        layers = self.adapter.layers
+        norm_layer = layers.norm(norm_layer)
+        self.stem = layers.conv3x3(self.adapter.output_shape[0], widths[0])
         sections: list[nn.Module] = []
         in_channels = widths[0]
         for index, (blocks, width) in enumerate(zip(config.stage_depths, widths, strict=True)):
@@ -262,14 +281,13 @@ class PreResNet(TesseraModel):
                         stride=stride,
                         norm_layer=norm_layer,
                         step=config.block_step,
+                        layers=layers,
                     )
                 )
                 in_channels = width
             sections.append(nn.Sequential(*section))
         self.sections = nn.Sequential(*sections)
-        self.final = nn.Sequential(
-            norm_layer(widths[-1]), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
-        )
+        self.final = nn.Sequential(norm_layer(widths[-1]), nn.ReLU(), *layers.global_pool())
         self.head = nn.Linear(widths[-1], num_classes)
         init_conv_weights(self)
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from models.base import TesseraModel
 
-__all__ = ["ProjectedModel", "project_features"]
+__all__ = ["ProjectedModel"]
 
 
 class ProjectedModel(TesseraModel):
@@ -102,21 +102,3 @@ class ProjectedModel(TesseraModel):
         """
         z: Tensor = self.projection(self.body.forward_features(x))
         return z
-
-
-def project_features(model: TesseraModel, feature_dim: int) -> ProjectedModel:
-    """Wrap ``model`` so that its features have ``feature_dim`` entries.
-
-    Parameters
-    ----------
-    model : TesseraModel
-        A freshly built zoo model (its head is taken out of it).
-    feature_dim : int
-        Size of the shared feature space.
-
-    Returns
-    -------
-    ProjectedModel
-        The wrapper; see :class:`ProjectedModel`.
-    """
-    return ProjectedModel(model, feature_dim=feature_dim)

@@ -4,8 +4,11 @@ Each family module decorates its builders with :func:`register_model`; importing
 :mod:`models` imports every family module, so the registry is complete once
 ``models`` is imported. Models are then built by name with :func:`get_model`.
 
-A builder is a function taking keyword-only ``input_shape``, ``num_classes`` and
-``norm_layer`` and returning a :class:`~models.base.TesseraModel`.
+A builder is a function taking keyword-only ``input_shape``, ``num_classes``,
+``norm_layer`` and ``flat_input`` and returning a :class:`~models.base.TesseraModel`.
+``flat_input`` (:data:`~models.base.FlatInput`) says how a convolutional model reads a
+flat vector ``(L,)``: as a one-channel signal convolved in 1-d (``"signal"``, the
+default) or reshaped to a square image (``"square"``); see :mod:`models.base`.
 
 Besides the families of the registered models, the registry knows *cross-family
 sets*: a name such as ``"mixed"`` (:data:`MIXED_FAMILY`) that :func:`list_models` and
@@ -25,9 +28,11 @@ from typing import Final, Protocol, TypeVar
 import torch
 
 from models.base import (
+    FlatInput,
     TesseraModel,
     count_macs,
     count_parameters,
+    validate_flat_input,
     validate_input_shape,
     validate_num_classes,
 )
@@ -59,6 +64,7 @@ class ModelBuilder(Protocol):
         input_shape: tuple[int, ...],
         num_classes: int,
         norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> TesseraModel:
         """Build a model for inputs of ``input_shape`` and ``num_classes`` classes."""
         ...
@@ -333,6 +339,7 @@ class ModelRegistry:
         num_classes: int,
         norm: str = "batch",
         block_step: bool = False,
+        flat_input: FlatInput = "signal",
     ) -> TesseraModel:
         """Build the model registered under ``name``.
 
@@ -342,7 +349,8 @@ class ModelRegistry:
             Model name, or a slice of a sectioned one: ``"<model>@w<width>-d<depths>"``
             (:func:`models.spec.slice_name`).
         input_shape : Sequence[int]
-            Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
+            Shape of one sample without the batch dimension: ``(C, H, W)``, ``(C, L)``
+            or ``(L,)``.
         num_classes : int
             Number of classes, at least 2.
         norm : str, optional
@@ -351,6 +359,11 @@ class ModelRegistry:
         block_step : bool, optional
             Give every residual block a learnable step size (the config's
             ``block_step``; NeFL). Only for families whose config has that field.
+        flat_input : FlatInput, optional
+            How a convolutional model reads a flat vector ``(L,)``: ``"signal"``
+            (default, 1-d convolutions) or ``"square"`` (a zero-padded square image,
+            2-d convolutions). Images are always 2-d and ``(C, L)`` signals 1-d
+            (``"square"`` is refused for them); the ``mlp`` family ignores it.
 
         Returns
         -------
@@ -360,14 +373,15 @@ class ModelRegistry:
         Raises
         ------
         ValueError
-            If the name, input shape, number of classes or norm is invalid, or
-            ``block_step`` is asked of a model without step sizes.
+            If the name, input shape, number of classes, norm or ``flat_input`` is
+            invalid, or ``block_step`` is asked of a model without step sizes.
         """
         model, spec = split_name(name)
         entry = self.entry(model)
         shape = validate_input_shape(input_shape)
         classes = validate_num_classes(num_classes)
         norm_layer = get_norm(norm)
+        flat = validate_flat_input(flat_input, shape)
         config = entry.config
         if block_step:
             if not is_dataclass(config) or "block_step" not in {f.name for f in fields(config)}:
@@ -379,11 +393,13 @@ class ModelRegistry:
             if spec is None:
                 build = getattr(config, "build")  # noqa: B009 - config is typed object
                 built_full: TesseraModel = build(
-                    input_shape=shape, num_classes=classes, norm_layer=norm_layer
+                    input_shape=shape, num_classes=classes, norm_layer=norm_layer, flat_input=flat
                 )
                 return built_full
         if spec is None:
-            return entry.builder(input_shape=shape, num_classes=classes, norm_layer=norm_layer)
+            return entry.builder(
+                input_shape=shape, num_classes=classes, norm_layer=norm_layer, flat_input=flat
+            )
         sliced = getattr(config, "sliced", None)
         if sliced is None:
             raise ValueError(
@@ -391,7 +407,7 @@ class ModelRegistry:
                 "slice a preresnet or mobilenetv2 model"
             )
         built: TesseraModel = sliced(spec.width, spec.depths).build(
-            input_shape=shape, num_classes=classes, norm_layer=norm_layer
+            input_shape=shape, num_classes=classes, norm_layer=norm_layer, flat_input=flat
         )
         return built
 
@@ -442,7 +458,12 @@ class BuildableConfig(Protocol):
     """A frozen family config that builds its model (the table-driven families)."""
 
     def build(
-        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> TesseraModel:
         """Build the model this config describes."""
         ...
@@ -466,10 +487,14 @@ def register_variants(family: str, variants: Sequence[tuple[str, BuildableConfig
             input_shape: tuple[int, ...],
             num_classes: int,
             norm_layer: NormFactory,
+            flat_input: FlatInput = "signal",
             config: BuildableConfig = config,
         ) -> TesseraModel:
             return config.build(
-                input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+                input_shape=input_shape,
+                num_classes=num_classes,
+                norm_layer=norm_layer,
+                flat_input=flat_input,
             )
 
         register_model(name, family=family, size_rank=rank, description=description, config=config)(
@@ -484,6 +509,7 @@ def get_model(
     num_classes: int,
     norm: str = "batch",
     block_step: bool = False,
+    flat_input: FlatInput = "signal",
 ) -> TesseraModel:
     """Build a registered model by name.
 
@@ -493,7 +519,8 @@ def get_model(
         Model name, one of :func:`list_models`, or a slice ``"<model>@<tag>"`` of a
         sectioned one (:func:`models.spec.slice_name`).
     input_shape : Sequence[int]
-        Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample without the batch dimension: ``(C, H, W)`` for images,
+        ``(C, L)`` for signals or ``(L,)`` for flat vectors.
     num_classes : int
         Number of classes, at least 2.
     norm : str, optional
@@ -502,6 +529,13 @@ def get_model(
     block_step : bool, optional
         Give every residual block a learnable step size (NeFL); preresnet and
         mobilenetv2 only.
+    flat_input : {"signal", "square"}, optional
+        How a convolutional model reads a flat vector ``(L,)``: ``"signal"``
+        (default) convolves it in 1-d as a one-channel signal ``(1, L)``
+        (``Conv1d``, ``BatchNorm1d``, 1-d pooling); ``"square"`` zero-pads it to
+        ``ceil(sqrt(L))**2`` values and convolves a one-channel square image in 2-d.
+        Images ``(C, H, W)`` are always 2-d and signals ``(C, L)`` always 1-d
+        (``"square"`` is refused for them); the ``mlp`` family ignores it.
 
     Returns
     -------
@@ -511,10 +545,16 @@ def get_model(
     Raises
     ------
     ValueError
-        If the name, input shape, number of classes or norm is invalid.
+        If the name, input shape, number of classes, norm or ``flat_input`` is
+        invalid.
     """
     return _REGISTRY.build(
-        name, input_shape=input_shape, num_classes=num_classes, norm=norm, block_step=block_step
+        name,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        norm=norm,
+        block_step=block_step,
+        flat_input=flat_input,
     )
 
 

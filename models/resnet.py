@@ -10,8 +10,10 @@ Depth counts the stem, two convolutions per block and the head:
 ``depth = 2 + 2 * sum(stage_blocks)``; the blocks per stage of each registered depth
 are the data in :data:`RESNET_STAGE_BLOCKS`.
 
-Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
-:class:`models.base.ImageAdapter`.
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
+same table (``Conv1d``, 1-d norms and pooling, built through
+:class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
+to a one-channel square image instead, see :class:`models.base.InputAdapter`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
-from models.layers import conv1x1, conv3x3, init_conv_weights
+from models.base import FlatInput, InputAdapter, TesseraModel
+from models.layers import LAYERS_2D, SpatialLayers, init_conv_weights
 from models.norm import NormFactory, batch_norm
 from models.registry import register_model
 
@@ -92,7 +94,9 @@ class BasicBlock(nn.Module):
     stride : int
         Stride of the first convolution and of the projection shortcut.
     norm_layer : NormFactory
-        Normalisation after each convolution.
+        Normalisation after each convolution, of the dimensionality of ``layers``.
+    layers : SpatialLayers, optional
+        Convolution types, 2-d by default.
     """
 
     def __init__(
@@ -102,18 +106,19 @@ class BasicBlock(nn.Module):
         out_channels: int,
         stride: int,
         norm_layer: NormFactory,
+        layers: SpatialLayers = LAYERS_2D,
     ) -> None:
         super().__init__()
-        self.conv1 = conv3x3(in_channels, out_channels, stride)
+        self.conv1 = layers.conv3x3(in_channels, out_channels, stride)
         self.norm1 = norm_layer(out_channels)
         self.relu1 = nn.ReLU()
-        self.conv2 = conv3x3(out_channels, out_channels)
+        self.conv2 = layers.conv3x3(out_channels, out_channels)
         self.norm2 = norm_layer(out_channels)
         self.relu2 = nn.ReLU()
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_channels != out_channels:
             self.shortcut = nn.Sequential(
-                conv1x1(in_channels, out_channels, stride), norm_layer(out_channels)
+                layers.conv1x1(in_channels, out_channels, stride), norm_layer(out_channels)
             )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -122,12 +127,12 @@ class BasicBlock(nn.Module):
         Parameters
         ----------
         x : Tensor
-            Feature map of shape ``(N, in_channels, H, W)``.
+            Feature map of shape ``(N, in_channels, *spatial)``.
 
         Returns
         -------
         Tensor
-            Feature map of shape ``(N, out_channels, H', W')``.
+            Feature map of shape ``(N, out_channels, *spatial')``.
         """
         out = self.relu1(self.norm1(self.conv1(x)))
         out = self.norm2(self.conv2(out))
@@ -143,11 +148,13 @@ class ResNet(TesseraModel):
     config : ResNetConfig
         Blocks per stage and base width.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
         Normalisation after each convolution, batch norm by default.
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
     """
 
     def __init__(
@@ -157,13 +164,18 @@ class ResNet(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
         widths = config.widths
         super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
         self.config = config
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        layers = self.adapter.layers
+        norm_layer = layers.norm(norm_layer)
         in_channels = self.adapter.output_shape[0]
-        self.stem = nn.Sequential(conv3x3(in_channels, widths[0]), norm_layer(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            layers.conv3x3(in_channels, widths[0]), norm_layer(widths[0]), nn.ReLU()
+        )
         stages: list[nn.Module] = []
         in_channels = widths[0]
         for index, (blocks, width) in enumerate(zip(config.stage_blocks, widths, strict=True)):
@@ -176,12 +188,13 @@ class ResNet(TesseraModel):
                         out_channels=width,
                         stride=stride,
                         norm_layer=norm_layer,
+                        layers=layers,
                     )
                 )
                 in_channels = width
             stages.append(nn.Sequential(*stage))
         self.stages = nn.Sequential(*stages)
-        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.pool = layers.global_pool()
         self.head = nn.Linear(widths[-1], num_classes)
         init_conv_weights(self)
 
@@ -203,13 +216,18 @@ class ResNet(TesseraModel):
 
 
 def _build(
-    depth: int, input_shape: tuple[int, ...], num_classes: int, norm_layer: NormFactory
+    depth: int,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    norm_layer: NormFactory,
+    flat_input: FlatInput,
 ) -> ResNet:
     return ResNet(
         config=ResNetConfig(stage_blocks=RESNET_STAGE_BLOCKS[depth]),
         input_shape=input_shape,
         num_classes=num_classes,
         norm_layer=norm_layer,
+        flat_input=flat_input,
     )
 
 
@@ -219,9 +237,10 @@ def resnet10(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> ResNet:
     """Build the CIFAR-style ResNet-10."""
-    return _build(10, input_shape, num_classes, norm_layer)
+    return _build(10, input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("resnet14", family="resnet", size_rank=1, description="ResNet-14, blocks (1,1,2,2)")
@@ -230,9 +249,10 @@ def resnet14(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> ResNet:
     """Build the CIFAR-style ResNet-14."""
-    return _build(14, input_shape, num_classes, norm_layer)
+    return _build(14, input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("resnet18", family="resnet", size_rank=2, description="ResNet-18, blocks (2,2,2,2)")
@@ -241,9 +261,10 @@ def resnet18(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> ResNet:
     """Build the CIFAR-style ResNet-18."""
-    return _build(18, input_shape, num_classes, norm_layer)
+    return _build(18, input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("resnet22", family="resnet", size_rank=3, description="ResNet-22, blocks (2,2,3,3)")
@@ -252,9 +273,10 @@ def resnet22(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> ResNet:
     """Build the CIFAR-style ResNet-22."""
-    return _build(22, input_shape, num_classes, norm_layer)
+    return _build(22, input_shape, num_classes, norm_layer, flat_input)
 
 
 @register_model("resnet26", family="resnet", size_rank=4, description="ResNet-26, blocks (3,3,3,3)")
@@ -263,6 +285,7 @@ def resnet26(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> ResNet:
     """Build the CIFAR-style ResNet-26."""
-    return _build(26, input_shape, num_classes, norm_layer)
+    return _build(26, input_shape, num_classes, norm_layer, flat_input)

@@ -32,7 +32,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final, Protocol, runtime_checkable
 
-from models.base import TesseraModel, validate_input_shape, validate_num_classes
+from models.base import (
+    FlatInput,
+    TesseraModel,
+    validate_flat_input,
+    validate_input_shape,
+    validate_num_classes,
+)
 from models.norm import NormFactory, get_norm
 from models.registry import list_models, model_entry
 from models.spec import Layout, SubModelSpec
@@ -84,7 +90,12 @@ class SectionedConfig(Protocol):
         ...
 
     def build(
-        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> TesseraModel:
         """Build the model this config describes."""
         ...
@@ -227,6 +238,7 @@ def build_submodel(
     input_shape: Sequence[int],
     num_classes: int,
     norm: str = "batch",
+    flat_input: FlatInput = "signal",
 ) -> TesseraModel:
     """Build the sub-model ``spec`` of a global model (module docstring).
 
@@ -239,11 +251,16 @@ def build_submodel(
         Width ratio and blocks kept per section; ``full_spec(model)`` builds the
         global model itself.
     input_shape : Sequence[int]
-        Shape of one sample without the batch dimension: ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample without the batch dimension: ``(C, H, W)``, ``(C, L)``
+        or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm : str, optional
         Normalisation name, see :func:`models.norm.get_norm`; ``"batch"`` by default.
+    flat_input : FlatInput, optional
+        How a flat vector ``(L,)`` is read: ``"signal"`` (default, the 1-d form) or
+        ``"square"``; see :func:`models.get_model`. A 1-d slice has the same
+        state-dict keys as the 2-d one, with 1-d kernels ``(out, in, k)``.
 
     Returns
     -------
@@ -255,11 +272,13 @@ def build_submodel(
     ------
     ValueError
         If the model cannot be sliced, the spec does not fit it, or the input shape,
-        number of classes or norm is invalid.
+        number of classes, norm or ``flat_input`` is invalid.
     """
     config = global_config(model).sliced(spec.width, spec.depths)
+    shape = validate_input_shape(input_shape)
     return config.build(
-        input_shape=validate_input_shape(input_shape),
+        input_shape=shape,
         num_classes=validate_num_classes(num_classes),
         norm_layer=get_norm(norm),
+        flat_input=validate_flat_input(flat_input, shape),
     )

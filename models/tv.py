@@ -18,8 +18,15 @@ Adaptation to the zoo's interface:
 * inputs smaller than :data:`MIN_INPUT_SIZE` pixels in height or width are
   bilinearly upsampled inside the model to at least that size: the ImageNet stems
   downsample by 32, so an 8x8 digit would otherwise be 1x1 after the second stage.
-  Flat vectors are first made one-channel square images, see
-  :class:`models.base.ImageAdapter`.
+
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give a 1-d form
+(:class:`models.base.InputAdapter`): torchvision builds the 2-d network with the 1-d
+counterpart of the injected norm (``BatchNorm1d``), then every ``Conv2d``,
+``MaxPool2d`` and ``AdaptiveAvgPool2d`` is replaced by its 1-d counterpart with the
+same channels, groups and (first-axis) kernel size, stride, padding and dilation
+(:func:`convert_to_1d`), and short signals are linearly upsampled to
+:data:`MIN_INPUT_SIZE`. ``flat_input="square"`` reshapes a flat vector to a
+one-channel square image instead.
 """
 
 from __future__ import annotations
@@ -31,11 +38,11 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
-from models.norm import NormFactory, batch_norm
+from models.base import FlatInput, InputAdapter, TesseraModel
+from models.norm import NormFactory, batch_norm, norm_for_ndim
 from models.registry import list_families, register_model
 
-__all__ = ["MIN_INPUT_SIZE", "TorchvisionModel"]
+__all__ = ["MIN_INPUT_SIZE", "TorchvisionModel", "convert_to_1d"]
 
 FAMILY: Final = "torchvision"
 
@@ -49,16 +56,22 @@ class TorchvisionModel(TesseraModel):
     Parameters
     ----------
     backbone : nn.Module
-        Maps an image batch to flat representations of size ``head.in_features``.
+        Maps a batch in the adapter's form (an image batch, or a signal batch for a
+        backbone passed through :func:`convert_to_1d`) to flat representations of
+        size ``head.in_features``.
     head : nn.Linear
         Classifier mapping representations to ``num_classes`` logits.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2; must equal ``head.out_features``.
     min_input_size : int, optional
         Images smaller than this in height or width are bilinearly upsampled to at
-        least this size, by default :data:`MIN_INPUT_SIZE`.
+        least this size (signals shorter than it linearly), by default
+        :data:`MIN_INPUT_SIZE`.
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``; the
+        backbone must have the matching dimensionality.
     """
 
     def __init__(
@@ -69,6 +82,7 @@ class TorchvisionModel(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         min_input_size: int = MIN_INPUT_SIZE,
+        flat_input: FlatInput = "signal",
     ) -> None:
         super().__init__(
             input_shape=input_shape,
@@ -80,12 +94,13 @@ class TorchvisionModel(TesseraModel):
                 f"head has {head.out_features} outputs but num_classes is "
                 f"{self.num_classes}; build the head with num_classes outputs."
             )
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
-        _, height, width = self.adapter.output_shape
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        _, *spatial = self.adapter.output_shape
         self.resize: nn.Module = nn.Identity()
-        if min(height, width) < min_input_size:
-            size = (max(height, min_input_size), max(width, min_input_size))
-            self.resize = nn.Upsample(size=size, mode="bilinear", align_corners=False)
+        if min(spatial) < min_input_size:
+            size = tuple(max(s, min_input_size) for s in spatial)
+            mode = "linear" if len(spatial) == 1 else "bilinear"
+            self.resize = nn.Upsample(size=size, mode=mode, align_corners=False)
         self.backbone = backbone
         self.head = head
 
@@ -142,6 +157,85 @@ def _adapt_first_conv(model: nn.Module, in_channels: int) -> None:
     setattr(model.get_submodule(parent_name), child_name, replacement)
 
 
+def _first(value: int | tuple[int, ...] | str) -> int:
+    """Return a 2-d layer's setting along the first spatial axis."""
+    if isinstance(value, str):  # pragma: no cover - torchvision pads with numbers
+        raise ValueError(f"padding {value!r} has no 1-d counterpart here.")
+    return value if isinstance(value, int) else value[0]
+
+
+def _layer_1d(module: nn.Module) -> nn.Module | None:
+    """Return the 1-d counterpart of a 2-d layer, None for a module without one."""
+    if isinstance(module, nn.Conv2d):
+        conv = nn.Conv1d(
+            module.in_channels,
+            module.out_channels,
+            kernel_size=_first(module.kernel_size),
+            stride=_first(module.stride),
+            padding=_first(module.padding),
+            dilation=_first(module.dilation),
+            groups=module.groups,
+            bias=module.bias is not None,
+        )
+        nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+        if conv.bias is not None:
+            nn.init.zeros_(conv.bias)
+        return conv
+    if isinstance(module, nn.MaxPool2d):
+        return nn.MaxPool1d(
+            kernel_size=_first(module.kernel_size),
+            stride=_first(module.stride),
+            padding=_first(module.padding),
+            dilation=_first(module.dilation),
+            ceil_mode=module.ceil_mode,
+        )
+    if isinstance(module, nn.AdaptiveAvgPool2d):
+        size = module.output_size
+        if isinstance(size, int):
+            return nn.AdaptiveAvgPool1d(size)
+        first = None if size is None else size[0]
+        if first is None:  # pragma: no cover - torchvision pools to a fixed size
+            raise ValueError(f"{module!r} keeps the input size; it has no 1-d form here.")
+        return nn.AdaptiveAvgPool1d(first)
+    return None
+
+
+def convert_to_1d(model: nn.Module) -> None:
+    """Replace, in place, every ``Conv2d`` and 2-d pooling of ``model`` by its 1-d form.
+
+    Convolutions keep their channels, groups and bias and take the first axis's
+    kernel size, stride, padding and dilation (torchvision's kernels are square);
+    they are freshly initialised (Kaiming normal, fan-out, as torchvision does).
+    ``MaxPool2d`` becomes ``MaxPool1d``, ``AdaptiveAvgPool2d`` ``AdaptiveAvgPool1d``.
+    Norm layers are not touched: build the model with a 1-d norm
+    (:func:`models.norm.norm_for_ndim`).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The network to convert.
+
+    Raises
+    ------
+    ValueError
+        If a 2-d module without a 1-d counterpart here (e.g. ``BatchNorm2d`` or
+        ``AvgPool2d``) is left after the conversion.
+    """
+    for name, child in model.named_children():
+        replacement = _layer_1d(child)
+        if replacement is None:
+            convert_to_1d(child)
+        else:
+            setattr(model, name, replacement)
+    left = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("2d")})
+    if left:
+        raise ValueError(
+            f"{type(model).__name__} still has 2-d layers {left} after conversion to 1-d; "
+            f"build it with a 1-d norm (models.norm.norm_for_ndim) or use "
+            f"flat_input='square'."
+        )
+
+
 def _as_linear(module: object, where: str) -> nn.Linear:
     """Return ``module`` if it is the expected linear classifier, else raise."""
     if not isinstance(module, nn.Linear):  # pragma: no cover - torchvision changed
@@ -158,17 +252,24 @@ def _resnet(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory,
+    flat_input: FlatInput,
 ) -> TorchvisionModel:
     tvm = _torchvision_models(model_name)
-    image = ImageAdapter(input_shape=input_shape).output_shape
+    adapter = InputAdapter(input_shape=input_shape, flat_input=flat_input)
     model: nn.Module = getattr(tvm, arch)(
-        weights=None, num_classes=num_classes, norm_layer=norm_layer
+        weights=None, num_classes=num_classes, norm_layer=norm_for_ndim(norm_layer, adapter.ndim)
     )
-    _adapt_first_conv(model, image[0])
+    _adapt_first_conv(model, adapter.output_shape[0])
     head = _as_linear(model.fc, f"{arch}.fc")
     model.fc = nn.Identity()
+    if adapter.ndim == 1:
+        convert_to_1d(model)
     return TorchvisionModel(
-        backbone=model, head=head, input_shape=input_shape, num_classes=num_classes
+        backbone=model,
+        head=head,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        flat_input=flat_input,
     )
 
 
@@ -178,19 +279,29 @@ def _mobilenet_v3(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory,
+    flat_input: FlatInput,
 ) -> TorchvisionModel:
     tvm = _torchvision_models(model_name)
-    image = ImageAdapter(input_shape=input_shape).output_shape
+    adapter = InputAdapter(input_shape=input_shape, flat_input=flat_input)
     model: nn.Module = getattr(tvm, arch)(
-        weights=None, num_classes=num_classes, norm_layer=norm_layer, dropout=0.0
+        weights=None,
+        num_classes=num_classes,
+        norm_layer=norm_for_ndim(norm_layer, adapter.ndim),
+        dropout=0.0,
     )
-    _adapt_first_conv(model, image[0])
+    _adapt_first_conv(model, adapter.output_shape[0])
     classifier = list(model.get_submodule("classifier").children())
     pre_logits, activation, _dropout, last = classifier
     head = _as_linear(last, f"{arch}.classifier[3]")
     model.classifier = nn.Sequential(pre_logits, activation)
+    if adapter.ndim == 1:
+        convert_to_1d(model)
     return TorchvisionModel(
-        backbone=model, head=head, input_shape=input_shape, num_classes=num_classes
+        backbone=model,
+        head=head,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        flat_input=flat_input,
     )
 
 
@@ -205,6 +316,7 @@ def tv_mobilenet_v3_small(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> TorchvisionModel:
     """Build torchvision's MobileNetV3-Small behind the zoo's interface."""
     return _mobilenet_v3(
@@ -213,6 +325,7 @@ def tv_mobilenet_v3_small(
         input_shape,
         num_classes,
         norm_layer,
+        flat_input,
     )
 
 
@@ -227,6 +340,7 @@ def tv_mobilenet_v3_large(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> TorchvisionModel:
     """Build torchvision's MobileNetV3-Large behind the zoo's interface."""
     return _mobilenet_v3(
@@ -235,6 +349,7 @@ def tv_mobilenet_v3_large(
         input_shape,
         num_classes,
         norm_layer,
+        flat_input,
     )
 
 
@@ -249,6 +364,7 @@ def tv_resnet18(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm_layer: NormFactory = batch_norm,
+    flat_input: FlatInput = "signal",
 ) -> TorchvisionModel:
     """Build torchvision's ResNet-18 behind the zoo's interface."""
-    return _resnet("tv-resnet18", "resnet18", input_shape, num_classes, norm_layer)
+    return _resnet("tv-resnet18", "resnet18", input_shape, num_classes, norm_layer, flat_input)

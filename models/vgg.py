@@ -16,8 +16,10 @@ as in the CIFAR variants of VGG. The names keep the depth of the table they come
 (``vgg11`` has 8 convolutions) and the width multiplier without its point
 (``vgg13_025``: x0.25, ``vgg11_0125``: x0.125).
 
-Flat inputs ``(D,)`` are zero-padded and reshaped to a one-channel square image, see
-:class:`models.base.ImageAdapter`.
+Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
+same table (``Conv1d``, 1-d norms and pooling, built through
+:class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
+to a one-channel square image instead, see :class:`models.base.InputAdapter`.
 
 State-dict layout: convolution ``i`` of stage ``s`` under ``stages.{s}.{3 * i}.``, its
 norm under ``stages.{s}.{3 * i + 1}.``, the classifier ``head``. The max-pools carry
@@ -34,8 +36,8 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import ImageAdapter, TesseraModel
-from models.layers import conv3x3, init_conv_weights, make_divisible
+from models.base import FlatInput, InputAdapter, TesseraModel
+from models.layers import init_conv_weights, make_divisible
 from models.norm import NormFactory, batch_norm
 from models.registry import register_variants
 
@@ -117,11 +119,20 @@ class VGGConfig:
         return sum(len(stage) for stage in self.stages)
 
     def build(
-        self, *, input_shape: Sequence[int], num_classes: int, norm_layer: NormFactory
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
     ) -> VGG:
         """Build the :class:`VGG` this config describes."""
         return VGG(
-            config=self, input_shape=input_shape, num_classes=num_classes, norm_layer=norm_layer
+            config=self,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            norm_layer=norm_layer,
+            flat_input=flat_input,
         )
 
 
@@ -133,11 +144,13 @@ class VGG(TesseraModel):
     config : VGGConfig
         Convolution widths per stage and width multiplier.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
         Normalisation after each convolution, batch norm by default.
+    flat_input : FlatInput, optional
+        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
     """
 
     def __init__(
@@ -147,25 +160,32 @@ class VGG(TesseraModel):
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
         super().__init__(
             input_shape=input_shape, feature_dim=config.feature_dim, num_classes=num_classes
         )
         self.config = config
-        self.adapter = ImageAdapter(input_shape=self.input_shape)
-        in_channels, height, width = self.adapter.output_shape
+        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
+        spatial = self.adapter.layers
+        norm_layer = spatial.norm(norm_layer)
+        in_channels, *size = self.adapter.output_shape
         stages: list[nn.Module] = []
         for stage_widths in config.widths:
             layers: list[nn.Module] = []
             for out_channels in stage_widths:
-                layers += [conv3x3(in_channels, out_channels), norm_layer(out_channels), nn.ReLU()]
+                layers += [
+                    spatial.conv3x3(in_channels, out_channels),
+                    norm_layer(out_channels),
+                    nn.ReLU(),
+                ]
                 in_channels = out_channels
-            if min(height, width) > 1:
-                layers.append(nn.MaxPool2d(2))
-                height, width = height // 2, width // 2
+            if min(size) > 1:
+                layers.append(spatial.max_pool())
+                size = [s // 2 for s in size]
             stages.append(nn.Sequential(*layers))
         self.stages = nn.Sequential(*stages)
-        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.pool = spatial.global_pool()
         self.head = nn.Linear(config.feature_dim, num_classes)
         init_conv_weights(self)
 

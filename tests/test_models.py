@@ -33,7 +33,7 @@ from models import (
     model_entry,
     register_model,
 )
-from models.base import ImageAdapter
+from models.base import InputAdapter
 from models.layers import make_divisible
 from models.norm import group_count
 from models.registry import ModelRegistry
@@ -161,7 +161,7 @@ def test_bad_num_classes_raises(num_classes: object) -> None:
 
 
 @pytest.mark.parametrize(
-    "input_shape", [(), (8, 8), (1, 1, 8, 8), (1, 0, 8), (-4,), (1, 8.0, 8), (True,)]
+    "input_shape", [(), (8, 0), (1, 1, 8, 8), (1, 0, 8), (-4,), (1, 8.0, 8), (True,)]
 )
 def test_bad_input_shape_raises(input_shape: tuple[object, ...]) -> None:
     with pytest.raises(ValueError, match=r"input_shape"):
@@ -240,9 +240,9 @@ def test_reset_classifier() -> None:
 # ------------------------------------------------------------------------ flat inputs
 
 
-def test_image_adapter_pads_flat_vectors_to_a_square() -> None:
+def test_square_form_pads_flat_vectors_to_a_square() -> None:
     # Prepare: 20 values -> ceil(sqrt(20)) = 5, so 5 zeros of padding
-    adapter = ImageAdapter(input_shape=(20,))
+    adapter = InputAdapter(input_shape=(20,), flat_input="square")
     x = torch.arange(40, dtype=torch.float32).reshape(2, 20) + 1
 
     # Execute
@@ -410,7 +410,7 @@ def test_cnn_counts_match_hand_computed_formula() -> None:
     assert count_parameters(cnn1) == params == 295
 
     # The same on a flat 20-vector, seen as a 5x5 image.
-    cnn1_flat = get_model("cnn-1", input_shape=(20,), num_classes=NUM_CLASSES)
+    cnn1_flat = get_model("cnn-1", input_shape=(20,), num_classes=NUM_CLASSES, flat_input="square")
     assert count_macs(cnn1_flat, (20,)) == 16 * 25 * 9 + head_macs
 
     # cnn-3: conv 1->16 at 8x8, pool to 4x4, conv 16->32 at 4x4, pool to 2x2, GAP,

@@ -124,9 +124,13 @@ def test_feature_dims_follow_the_tables() -> None:
 def test_pooling_never_goes_below_one_pixel(
     input_shape: tuple[int, ...], vgg_pools: int, densenet_pools: int
 ) -> None:
-    # Prepare
-    vgg = get_model("vgg11_0125", input_shape=input_shape, num_classes=NUM_CLASSES)
-    dense = get_model("densenet40_k12", input_shape=input_shape, num_classes=NUM_CLASSES)
+    # Prepare: a flat vector in the square form
+    vgg = get_model(
+        "vgg11_0125", input_shape=input_shape, num_classes=NUM_CLASSES, flat_input="square"
+    )
+    dense = get_model(
+        "densenet40_k12", input_shape=input_shape, num_classes=NUM_CLASSES, flat_input="square"
+    )
     x = torch.randn(2, *input_shape)
 
     # Execute
