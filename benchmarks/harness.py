@@ -91,10 +91,13 @@ def fast_clients(bundle: Any) -> Iterator[None]:
         num_classes: int,
         *,
         norm: str = "batch",
+        flat_input: str = "signal",
         names: Any = None,
     ) -> Any:
         chosen = None if names is None else tuple(names)
-        return costs(family, tuple(input_shape), num_classes, norm=norm, names=chosen)
+        return costs(
+            family, tuple(input_shape), num_classes, norm=norm, flat_input=flat_input, names=chosen
+        )
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

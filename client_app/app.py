@@ -231,6 +231,7 @@ def handshake(msg: Message, context: Context) -> Message:
             data.input_shape,
             data.num_classes,
             norm=run.norm,
+            flat_input=run.flat_input,
             names=algorithm.candidate_archs(family),
         )
         choice = choose_architecture(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from client_app.device import DeviceProfile
+from tessera.config import FlatInput
 
 log = logging.getLogger(__name__)
 
@@ -461,6 +462,7 @@ def candidate_costs(
     num_classes: int,
     *,
     norm: str = "batch",
+    flat_input: FlatInput = "signal",
     names: Sequence[str] | None = None,
 ) -> list[CandidateCost]:
     """Build every candidate model and measure its costs.
@@ -477,6 +479,8 @@ def candidate_costs(
     norm : str
         Normalisation passed to ``models.get_model`` (it changes the
         activation count slightly).
+    flat_input : {"signal", "square"}
+        How conv models read flat ``(D,)`` samples (run-config ``flat-input``).
     names : Sequence of str, optional
         The candidates; every model of ``family`` when omitted. Registered models
         of one family keep the registry's size rank; when any candidate is a slice
@@ -513,7 +517,9 @@ def candidate_costs(
     derived = len(families) > 1 or any(SLICE_SEPARATOR in name for name in chosen)
     measured = []
     for name in chosen:
-        model = get_model(name, input_shape=shape, num_classes=num_classes, norm=norm)
+        model = get_model(
+            name, input_shape=shape, num_classes=num_classes, norm=norm, flat_input=flat_input
+        )
         measured.append(
             (
                 name,

@@ -424,6 +424,7 @@ class HeteroStrategy:
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
             norm=self.env.run.norm,
+            flat_input=self.env.run.flat_input,
         )
 
     def initial_arrays(self, arch: str) -> dict[str, np.ndarray]:

@@ -164,7 +164,13 @@ class ClientAlgorithm:
         """
         from models import get_model
 
-        return get_model(arch, input_shape=input_shape, num_classes=num_classes, norm=self.run.norm)
+        return get_model(
+            arch,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            norm=self.run.norm,
+            flat_input=self.run.flat_input,
+        )
 
     def load_weights(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> str:
         """Load the round's starting weights into ``model``; say where they came from.

@@ -113,6 +113,7 @@ class FlowerFedAvgRunner:
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
             norm=self.env.run.norm,
+            flat_input=self.env.run.flat_input,
         )
 
     def start(self, grid: Grid, *, num_rounds: int, timeout: float) -> Result:

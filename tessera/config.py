@@ -21,11 +21,16 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 T = TypeVar("T", int, float, str, bool)
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
+FlatInput = Literal["signal", "square"]
+FLAT_INPUTS: tuple[FlatInput, ...] = ("signal", "square")
+"""How convolutional models read flat ``(D,)`` samples (run-config ``flat-input``):
+as a one-channel signal of length ``D`` (1-d convolutions) or zero-padded and reshaped
+into a square one-channel image (2-d convolutions)."""
 KNOWLEDGE_MERGES = ("mean", "median", "trimmed-mean")
 """How per-client knowledge (class features/logits, kernels) is merged: run-config
 ``knowledge-merge``."""
@@ -184,6 +189,7 @@ class RunConfig:
     seed: int
     model_family: str | None
     norm: str
+    flat_input: FlatInput
     local_epochs: int
     batch_size: int
     learning_rate: float
@@ -256,6 +262,7 @@ class RunConfig:
             seed=seed,
             model_family=r.optional_str("model-family"),
             norm=r.get("norm", str),
+            flat_input=cast("FlatInput", r.get("flat-input", str).strip().lower()),
             local_epochs=r.get("local-epochs", int),
             batch_size=r.get("batch-size", int),
             learning_rate=r.get("learning-rate", float),
@@ -328,6 +335,13 @@ class RunConfig:
             "local-test-fraction",
             self.local_test_fraction,
             "use a fraction in [0, 0.9), e.g. 0.2",
+        )
+        _require(
+            self.flat_input in FLAT_INPUTS,
+            "flat-input",
+            self.flat_input,
+            f"use one of {', '.join(FLAT_INPUTS)} (signal: 1-d convolutions over the vector; "
+            "square: zero-padded into a square image for 2-d convolutions)",
         )
         _require(
             self.local_epochs >= 1, "local-epochs", self.local_epochs, "use 1 or more local epochs"

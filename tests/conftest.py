@@ -173,6 +173,7 @@ def install_fast_clients(
         num_classes: int,
         *,
         norm: str = "batch",
+        flat_input: str = "signal",
         names: Any = None,
     ) -> Any:
         key = (
@@ -180,10 +181,13 @@ def install_fast_clients(
             tuple(input_shape),
             num_classes,
             norm,
+            flat_input,
             None if names is None else tuple(names),
         )
         if key not in cache:
-            cache[key] = real_costs(family, input_shape, num_classes, norm=norm, names=names)
+            cache[key] = real_costs(
+                family, input_shape, num_classes, norm=norm, flat_input=flat_input, names=names
+            )
         return cache[key]
 
     monkeypatch.setattr(client_app.app, "load_bundle", load_bundle)

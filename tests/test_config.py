@@ -152,6 +152,7 @@ def test_string_numbers_are_converted(run_config: RunConfigFactory) -> None:
         ("memory-fraction", 0.0, "(0, 1]"),
         ("memory-fraction", 1.5, "(0, 1]"),
         ("output-dir", "  ", "name a folder"),
+        ("flat-input", "image", "use one of signal, square"),
     ],
 )
 def test_invalid_run_config_value_raises_naming_the_key(
@@ -322,3 +323,26 @@ def test_partition_id_not_an_int_raises_naming_the_key() -> None:
     # Execute / Assert
     with pytest.raises(ConfigError, match=r"node-config key 'partition-id' has value 'first'"):
         NodeConfig.from_flower({"partition-id": "first", "num-partitions": 3})
+
+
+@pytest.mark.parametrize(("form", "conv"), [("signal", "Conv1d"), ("square", "Conv2d")])
+def test_flat_input_reaches_the_models_of_the_client_and_the_server(
+    run_config: RunConfigFactory, form: str, conv: str
+) -> None:
+    # Prepare: a run on flat 40-feature samples, the conv family
+    from client_app.selection import candidate_costs
+    from strategies.client import ClientAlgorithm
+
+    run = RunConfig.from_flower(run_config({"flat-input": form.upper()}))
+
+    # Execute: the model a client trains and the candidates it measures
+    model = ClientAlgorithm(run=run, options=None).build_model(
+        "cnn-2", input_shape=(40,), num_classes=3
+    )
+    costs = candidate_costs("cnn", (40,), 3, norm=run.norm, flat_input=run.flat_input)
+    square = candidate_costs("cnn", (40,), 3, norm=run.norm, flat_input="square")
+
+    # Assert: the run's form is used (case-insensitive); the two forms cost differently
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert conv in kinds and ({"Conv1d", "Conv2d"} - {conv}).isdisjoint(kinds)
+    assert (costs == square) is (form == "square")

@@ -294,6 +294,7 @@ class EnsembleStrategy(FedAvgGroupsStrategy):
                 "round": self.kept["round"],
                 "dataset": self.env.run.dataset,
                 "federation": self.federation,
+                "model_kwargs": {"flat_input": self.env.run.flat_input},
             },
         )
 

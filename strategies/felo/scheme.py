@@ -68,7 +68,7 @@ from strategies.groups import GroupModels, NonFiniteStateError, fold_weights
 from strategies.registry import Scheme, register_scheme
 from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
-from tessera.config import ConfigError, ConfigReader, RunConfig
+from tessera.config import ConfigError, ConfigReader, FlatInput, RunConfig
 from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
 from tessera.training import LossFn
@@ -195,12 +195,15 @@ def build_scheme_model(
     input_shape: tuple[int, ...],
     num_classes: int,
     norm: str,
+    flat_input: FlatInput,
     options: FeloOptions,
 ) -> TesseraModel:
     """Build the model a scheme trains: the zoo's, projected when features are exchanged."""
     from models import get_model
 
-    model = get_model(arch, input_shape=input_shape, num_classes=num_classes, norm=norm)
+    model = get_model(
+        arch, input_shape=input_shape, num_classes=num_classes, norm=norm, flat_input=flat_input
+    )
     if options.exchange_features:
         return ProjectedModel(model, feature_dim=options.feature_dim)
     return model
@@ -338,6 +341,7 @@ class FeloClient(ClientAlgorithm):
             input_shape=input_shape,
             num_classes=num_classes,
             norm=self.run.norm,
+            flat_input=self.run.flat_input,
             options=self.felo,
         )
 
@@ -425,6 +429,7 @@ class FeloStrategy(HeteroStrategy):
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
             norm=self.env.run.norm,
+            flat_input=self.env.run.flat_input,
             options=self.felo,
         )
 

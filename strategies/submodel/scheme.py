@@ -299,6 +299,7 @@ class SubModelClient(ClientAlgorithm):
             input_shape=input_shape,
             num_classes=num_classes,
             norm=self.run.norm,
+            flat_input=self.run.flat_input,
             **self.options.model_kwargs(),
         )
 
@@ -383,6 +384,7 @@ class SubModelStrategy(HeteroStrategy):
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
             norm=self.env.run.norm if norm is None else norm,
+            flat_input=self.env.run.flat_input,
             **self.options.model_kwargs(),
         )
 
