@@ -193,18 +193,19 @@ def test_local_file_is_read_once_and_equals_local_data(
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "loads"),
     [
-        {"partition": PartitionConfig("dirichlet", alpha=0.5, seed=4)},  # seed
-        {"partition": PartitionConfig("dirichlet", alpha=0.1, seed=3)},  # alpha
-        {"partition": PartitionConfig("iid", seed=3)},  # scheme
-        {"num_partitions": 5},
-        {"partition_id": 2},
-        {"pool_fraction": 0.2},
-        {"test_fraction": 0.3},
+        ({"partition": PartitionConfig("dirichlet", alpha=0.5, seed=4)}, 2),  # seed
+        ({"partition": PartitionConfig("dirichlet", alpha=0.1, seed=3)}, 2),  # alpha
+        ({"partition": PartitionConfig("iid", seed=3)}, 2),  # scheme
+        ({"num_partitions": 5}, 2),
+        ({"pool_fraction": 0.2}, 2),
+        # the same federation: its partitioning is kept, only the node's split is new
+        ({"partition_id": 2}, 1),
+        ({"test_fraction": 0.3}, 1),
     ],
 )
-def test_a_changed_key_rebuilds(tmp_path: Path, changes: dict[str, Any]) -> None:
+def test_a_changed_key_rebuilds(tmp_path: Path, changes: dict[str, Any], loads: int) -> None:
     # Prepare
     load = CountingLoader()
     cache_dir = tmp_path / "cache"
@@ -215,8 +216,9 @@ def test_a_changed_key_rebuilds(tmp_path: Path, changes: dict[str, Any]) -> None
     clear_memory_cache()
     base_again = _partition(cache_dir, load)
 
-    # Assert: built twice, both entries kept, the first still served from disk
-    assert load.calls == ["digits", "digits"]
+    # Assert: built twice (the data set loaded again unless only the node differs),
+    # both entries kept, the first still served from disk
+    assert load.calls == ["digits"] * loads
     assert len(_entries(cache_dir)) == 2
     assert len(changed.train) != len(base.train) or not np.array_equal(
         changed.train.x, base.train.x
@@ -325,7 +327,9 @@ def test_two_nodes_keep_separate_caches(tmp_path: Path) -> None:
 
     # Assert: one entry in each node's own folder, each read back as its own
     assert all(d is not None and len(_entries(d)) == 1 for d in dirs)
-    assert len(load.calls) == 2
+    # one process (a simulation worker) loads and partitions the data set once for
+    # both; what each node keeps on disk is its own
+    assert len(load.calls) == 1
     for own, again in zip(nodes, reread, strict=True):
         _assert_same(again, own)
     assert not np.array_equal(nodes[0].train.y, nodes[1].train.y)
@@ -533,3 +537,39 @@ def test_memory_cache_evicts_by_count_and_skips_oversized_entries() -> None:
 def test_memory_cache_rejects_negative_bounds() -> None:
     with pytest.raises(ValueError, match="max_entries=-1"):
         MemoryCache(max_entries=-1, max_bytes=0)
+
+
+def test_every_node_of_a_federation_is_a_slice_of_one_partitioning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: a simulation worker serving 20 nodes, more than the per-node cache holds
+    import tessera.data.splits as splits
+
+    calls: list[int] = []
+    real = splits.partition_indices
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(splits, "partition_indices", counting)
+    load = CountingLoader()
+
+    # Execute: every node twice (two rounds)
+    got = [
+        _partition(None, load, partition_id=pid, num_partitions=20)
+        for _ in range(2)
+        for pid in range(20)
+    ]
+
+    # Assert: loaded and partitioned once; each node's data is what client_data gives
+    assert load.calls == ["digits"] and len(calls) == 1
+    train, test = client_data(
+        "digits",
+        partition_id=13,
+        num_partitions=20,
+        partition=PARTITION,
+        pool_fraction=0.1,
+        test_fraction=0.2,
+    )
+    _assert_same(got[33], NodeSplits(train, test, got[33].num_classes, got[33].input_shape))

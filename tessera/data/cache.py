@@ -54,7 +54,12 @@ import numpy as np
 from tessera.data.arrays import ArrayDataset, DataBundle, DataError, validate_labels
 from tessera.data.loaders import load_bundle
 from tessera.data.spec import DatasetSpec, PartitionConfig, parse_dataset_spec
-from tessera.data.splits import NodeSplits, client_data, local_data
+from tessera.data.splits import (
+    FederationPartitions,
+    NodeSplits,
+    federation_partitions,
+    local_data,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +141,38 @@ class MemoryCache:
 # (``context.state`` is serialised and would copy the arrays on every message).
 _MEMORY = MemoryCache(max_entries=16, max_bytes=1 << 30)
 
+FEDERATIONS_KEPT = 2
+"""Federations whose partitioning a process keeps (:func:`federation_of`)."""
+_FEDERATIONS: OrderedDict[str, FederationPartitions] = OrderedDict()
+
 
 def clear_memory_cache() -> None:
     """Forget every node's data held in this process (the disk cache is kept)."""
     _MEMORY.clear()
+    _FEDERATIONS.clear()
+
+
+def federation_of(
+    key: str | None, build: Callable[[], FederationPartitions]
+) -> FederationPartitions:
+    """Return a federation's partitioning, computed once per process per ``key``.
+
+    A simulation worker serves every node of a federation in turn, far more nodes
+    than the per-node cache holds; the server-pool split and the partitioning are
+    the same for all of them, so they are kept (the last :data:`FEDERATIONS_KEPT`
+    federations) and each node's data is then a slice of them.
+    """
+    if key is None:
+        return build()
+    found = _FEDERATIONS.get(key)
+    if found is None:
+        found = build()
+        _FEDERATIONS[key] = found
+        while len(_FEDERATIONS) > FEDERATIONS_KEPT:
+            _FEDERATIONS.popitem(last=False)
+    else:
+        _FEDERATIONS.move_to_end(key)
+    return found
 
 
 def node_cache_dir(state_dir: str | None) -> Path | None:
@@ -501,16 +534,24 @@ def node_partition_data(
     spec = parse_dataset_spec(source) if isinstance(source, str) else source
 
     def build() -> NodeSplits:
-        bundle = load(spec)
-        train, test = client_data(
-            bundle,
-            partition_id=partition_id,
-            num_partitions=num_partitions,
-            partition=partition,
-            pool_fraction=pool_fraction,
-            test_fraction=test_fraction,
+        federation = federation_of(
+            partition_key(
+                spec,
+                partition_id=-1,  # the whole federation
+                num_partitions=num_partitions,
+                partition=partition,
+                pool_fraction=pool_fraction,
+                test_fraction=0.0,
+            ),
+            lambda: federation_partitions(
+                load(spec),
+                num_partitions=num_partitions,
+                partition=partition,
+                pool_fraction=pool_fraction,
+            ),
         )
-        return NodeSplits(train, test, bundle.num_classes, bundle.input_shape)
+        train, test = federation.client_split(partition_id, test_fraction=test_fraction)
+        return NodeSplits(train, test, federation.num_classes, federation.input_shape)
 
     key = partition_key(
         spec,

@@ -155,16 +155,84 @@ def client_data(
             "'partition-id' against the run config)"
         )
     check_fraction(test_fraction, name="test_fraction")
-    bundle = _as_bundle(source)
+    federation = federation_partitions(
+        _as_bundle(source),
+        num_partitions=num_partitions,
+        partition=partition,
+        pool_fraction=pool_fraction,
+    )
+    return federation.client_split(partition_id, test_fraction=test_fraction)
+
+
+@dataclass(frozen=True)
+class FederationPartitions:
+    """The part of :func:`client_data` every node of a federation computes alike.
+
+    The client pool (the training split minus the server pool) and every partition's
+    indices into it; :meth:`client_split` then cuts one client's data from them.
+    Computing this once per process and reusing it for every node (a simulation
+    worker serves hundreds of nodes) makes a node's data cost a slice, not a
+    re-partitioning of the whole data set.
+    """
+
+    client_pool: ArrayDataset
+    parts: tuple[IntArray, ...]
+    seed: int
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+    def client_split(
+        self, partition_id: int, *, test_fraction: float
+    ) -> tuple[ArrayDataset, ArrayDataset]:
+        """Return partition ``partition_id``'s local train and test data."""
+        if not 0 <= partition_id < len(self.parts):
+            raise DataError(
+                f"partition_id={partition_id} is out of range for num_partitions="
+                f"{len(self.parts)}; use 0..{len(self.parts) - 1}"
+            )
+        own = self.client_pool.subset(self.parts[partition_id])
+        train_idx, test_idx = split_local(
+            own.y,
+            test_fraction=test_fraction,
+            seed=_client_seed(self.seed, partition_id),
+        )
+        return own.subset(train_idx), own.subset(test_idx)
+
+
+def federation_partitions(
+    bundle: DataBundle,
+    *,
+    num_partitions: int,
+    partition: PartitionConfig,
+    pool_fraction: float,
+) -> FederationPartitions:
+    """Split off the server pool and partition the rest (the federation-wide steps).
+
+    Parameters
+    ----------
+    bundle : DataBundle
+        The dataset.
+    num_partitions : int
+        Number of client partitions.
+    partition : PartitionConfig
+        Partitioning scheme and seed (must equal the server's).
+    pool_fraction : float
+        Share of the training split held out as the server pool.
+
+    Returns
+    -------
+    FederationPartitions
+        The client pool and every partition's indices into it.
+    """
     client_pool, _ = split_server_pool(bundle, pool_fraction=pool_fraction, seed=partition.seed)
     parts = partition_indices(client_pool.y, num_partitions=num_partitions, config=partition)
-    own = client_pool.subset(parts[partition_id])
-    train_idx, test_idx = split_local(
-        own.y,
-        test_fraction=test_fraction,
-        seed=_client_seed(partition.seed, partition_id),
+    return FederationPartitions(
+        client_pool=client_pool,
+        parts=tuple(parts),
+        seed=partition.seed,
+        num_classes=bundle.num_classes,
+        input_shape=bundle.input_shape,
     )
-    return own.subset(train_idx), own.subset(test_idx)
 
 
 def local_data(
