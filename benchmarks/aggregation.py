@@ -9,7 +9,7 @@ Three measurements, each printed as a Markdown table and written to
    per entry, then one division); (b) ours, the ``mean`` aggregator the strategies
    use (:class:`strategies.aggregators.MeanAccumulator`); (c) the removed buffered
    ``weighted_average`` (float64 temporaries, kept here as the baseline). Each is
-   timed ``--repeats`` times (best kept); GB/s counts the client-update bytes
+   timed ``--repeats`` times, interleaved (best kept); GB/s counts the client-update bytes
    folded. Target: ours / torch >= 0.8.
 2. **Peak memory of the mean**: ``--memory-updates`` updates of ``--params``
    parameters generated one at a time and dropped after folding (the way replies
@@ -26,7 +26,7 @@ Usage::
 
     .venv/bin/python benchmarks/aggregation.py [--params 1000000] [--clients 100]
         [--memory-updates 1000] [--buffered-updates 100] [--fedfa-clients 10,100]
-        [--fedfa-params 1000000] [--repeats 3] [--out DIR]
+        [--fedfa-params 1000000] [--repeats 7] [--out DIR]
 """
 
 from __future__ import annotations
@@ -153,9 +153,15 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
     ours = streaming_mean(reference, updates, weights)
     torch_out = torch_reference(updates, weights)
     diff = max(float(np.max(np.abs(ours[k] - torch_out[k]))) for k in shapes)
-    torch_s = best_seconds(lambda: torch_reference(updates, weights), repeats)
-    ours_s = best_seconds(lambda: streaming_mean(reference, updates, weights), repeats)
-    buffered_s = best_seconds(lambda: buffered_weighted_average(updates, weights), repeats)
+    # interleaved (torch, ours, buffered, torch, ...) so that each repeat compares the
+    # three under the same machine state; the best of each is kept
+    torch_s = ours_s = buffered_s = float("inf")
+    for _ in range(repeats):
+        torch_s = min(torch_s, best_seconds(lambda: torch_reference(updates, weights), 1))
+        ours_s = min(ours_s, best_seconds(lambda: streaming_mean(reference, updates, weights), 1))
+        buffered_s = min(
+            buffered_s, best_seconds(lambda: buffered_weighted_average(updates, weights), 1)
+        )
     return Throughput(
         params=sum(int(np.prod(s)) for s in shapes.values()),
         clients=clients,
@@ -292,7 +298,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--buffered-updates", type=int, default=100)
     parser.add_argument("--fedfa-clients", default="10,100")
     parser.add_argument("--fedfa-params", type=int, default=1_000_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-aggregation")
     args = parser.parse_args(argv)
     for name in ("params", "clients", "memory_updates", "buffered_updates", "repeats"):

@@ -21,8 +21,8 @@ Usage::
     .venv/bin/python benchmarks/scale.py [--nodes 10,50,100,200,500,1000]
         [--out results/bench-scale]
 
-Prints a Markdown table and writes ``table.md`` and ``scale.json``; a size that was
-already run (its ``metrics.jsonl`` complete) is not run again.
+Prints a Markdown table and writes ``table.md``, ``scale.json`` and ``scale.png``; a
+size that was already run (its ``metrics.jsonl`` complete) is not run again.
 """
 
 from __future__ import annotations
@@ -149,6 +149,40 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Draw round time (with the server's own share) and server memory against nodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nodes = np.array([r["nodes"] for r in rows], dtype=float)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.loglog(nodes, [r["round_seconds"] for r in rows], "o-", label="round 2 wall time")
+    server = [
+        r["build_seconds"] + r["pull_seconds"] + r["fold_seconds"] + r["aggregate_seconds"]
+        for r in rows
+    ]
+    left.loglog(nodes, server, "s--", label="server work (build, pull, fold, aggregate)")
+    per_node = rows[-1]["round_seconds"] / rows[-1]["nodes"]
+    left.loglog(nodes, per_node * nodes, ":", color="grey", label="linear in nodes")
+    left.set_xlabel("simulated nodes")
+    left.set_ylabel("seconds")
+    left.legend(fontsize=8)
+    left.set_title("round time")
+    right.plot(nodes, [r["server_rss_mb"] for r in rows], "o-", label="RSS after round 2")
+    right.plot(nodes, [r["server_peak_mb"] for r in rows], "s--", label="peak")
+    right.set_xscale("log")
+    right.set_xlabel("simulated nodes")
+    right.set_ylabel("MiB")
+    right.legend(fontsize=8)
+    right.set_title("ServerApp process memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sizes not run yet and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -172,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "scale.json").write_text(json.dumps(rows, indent=2))
+    log.info("plot: %s", plot(rows, args.out / "scale.png"))
     return 0
 
 
