@@ -1,9 +1,9 @@
 """Federations of hundreds of nodes: round time and server memory against node count.
 
 Each size runs a real Flower simulation (``scripts/simulate.sh``: a local SuperLink,
-Ray, ``flwr run``) of ``fedavg`` on a tiny model (``mlp-s``, 4,810 parameters) for
-2 rounds, every node training one local epoch on its IID share of a generated data
-set large enough that every node holds at least ``--per-node`` training samples
+Ray, ``flwr run``) of ``fedavg`` on a tiny model (``mlp-s``, 4,938 parameters with
+batch norm) for 2 rounds, every node training one local epoch on its IID share of a
+generated data set large enough that every node holds at least ``--per-node`` training samples
 (``npz:``, 64 features, 10 Gaussian classes, seeded). Every node trains every round.
 
 From each run's ``metrics.jsonl`` it reports round 2 (the steady state: round 1 also
