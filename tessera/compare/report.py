@@ -1,0 +1,413 @@
+"""The comparison's results folder: one CSV, Markdown tables and plots.
+
+Input is the list of finished cells (``cells.jsonl``): a ``scheme`` cell holds the
+protocol fields of one run (:func:`tessera.compare.metrics.run_fields`), a
+``centralised`` cell the ceiling's accuracies per architecture
+(:func:`tessera.compare.ceiling.train_centralised`) for one partitioning and seed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tessera.compare.metrics import CEILING, FLOOR, beats_floor, ceiling_for, mean_curve, spread
+
+CSV_FIELDS = (
+    "scheme",
+    "partitioning",
+    "seed",
+    "rounds",
+    "personal",
+    "personal_clients_std",
+    "global",
+    "ensemble",
+    "slices",
+    "ceiling_personal",
+    "ceiling_global",
+    "beats_floor",
+    "plateau_personal",
+    "plateau_global",
+    "bytes_up",
+    "bytes_down",
+    "bytes",
+    "archs",
+    "rejected",
+    "failed",
+    "seconds",
+)
+
+
+def flat_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (scheme, partitioning, seed), the ceiling rows included.
+
+    A scheme's ``ceiling_*`` is the centralised accuracy of its own architectures
+    (:func:`~tessera.compare.metrics.ceiling_for`); ``beats_floor`` compares its
+    personalised accuracy with ``local`` of the same partitioning and seed. The
+    ``centralised`` row is the ceiling of the floor's architectures (the fleet's
+    own choice, as ``local`` trains it).
+    """
+    central = {
+        (c["partitioning"], c["seed"]): c["centralised"] for c in cells if c["kind"] == CEILING
+    }
+    floor = {
+        (c["partitioning"], c["seed"]): c["fields"]
+        for c in cells
+        if c["kind"] == "scheme" and c["scheme"] == FLOOR
+    }
+    rows: list[dict[str, Any]] = []
+    for c in cells:
+        where = (c["partitioning"], c["seed"])
+        if c["kind"] == CEILING:
+            base = floor.get(where)
+            if base is None:
+                continue
+            personal, glob = ceiling_for(base["client_archs"], base["archs"], c["centralised"])
+            rows.append(
+                {
+                    "scheme": CEILING,
+                    "partitioning": c["partitioning"],
+                    "seed": c["seed"],
+                    "rounds": base["rounds"],
+                    "personal": personal,
+                    "global": glob,
+                    "ceiling_personal": personal,
+                    "ceiling_global": glob,
+                    "beats_floor": None if personal is None else personal > base["personal"],
+                    "bytes_up": 0.0,
+                    "bytes_down": 0.0,
+                    "bytes": 0.0,
+                    "archs": base["archs"],
+                    "slices": {},
+                    "seconds": c["seconds"],
+                    "personal_curve": [],
+                    "global_curve": [],
+                    "personal_by_arch": {},
+                }
+            )
+            continue
+        f = c["fields"]
+        ceiling_personal, ceiling_global = (
+            ceiling_for(f["client_archs"], f["global_by_arch"], central[where])
+            if where in central
+            else (None, None)
+        )
+        base = floor.get(where)
+        rows.append(
+            {
+                "scheme": c["scheme"],
+                "partitioning": c["partitioning"],
+                "seed": c["seed"],
+                **{k: f[k] for k in _FIELD_KEYS},
+                "ceiling_personal": ceiling_personal,
+                "ceiling_global": ceiling_global,
+                "beats_floor": (
+                    None
+                    if base is None or c["scheme"] == FLOOR or f["personal"] is None
+                    else f["personal"] > base["personal"]
+                ),
+                "seconds": c["seconds"],
+            }
+        )
+    return rows
+
+
+_FIELD_KEYS = (
+    "rounds",
+    "personal",
+    "personal_clients_std",
+    "global",
+    "ensemble",
+    "slices",
+    "plateau_personal",
+    "plateau_global",
+    "bytes_up",
+    "bytes_down",
+    "bytes",
+    "archs",
+    "rejected",
+    "failed",
+    "personal_curve",
+    "global_curve",
+    "personal_by_arch",
+)
+
+
+def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Write :data:`CSV_FIELDS` of each row (dicts as JSON, lists joined by ``;``)."""
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            out: dict[str, Any] = {}
+            for key in CSV_FIELDS:
+                value = row.get(key)
+                if isinstance(value, dict):
+                    value = json.dumps(value, sort_keys=True)
+                elif isinstance(value, list):
+                    value = ";".join(str(v) for v in value)
+                elif isinstance(value, float) and math.isnan(value):
+                    value = None
+                out[key] = value
+            writer.writerow(out)
+
+
+def _order(schemes: Sequence[str]) -> list[str]:
+    """Return the schemes in the given order, then the floor and the ceiling."""
+    body = [s for s in schemes if s not in (FLOOR, CEILING)]
+    return [*body, FLOOR, CEILING]
+
+
+def _group(
+    rows: Sequence[Mapping[str, Any]],
+) -> dict[str, dict[str, list[Mapping[str, Any]]]]:
+    groups: dict[str, dict[str, list[Mapping[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        groups[str(row["partitioning"])][str(row["scheme"])].append(row)
+    return groups
+
+
+def _bytes_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 1e6:
+        return f"{value / 1e6:.2f} MB"
+    return f"{value / 1e3:.1f} kB"
+
+
+def _floor_text(flags: Sequence[Any], personal: float | None, floor: float | None) -> str:
+    if personal is None or floor is None:
+        return "-"
+    wins = sum(1 for f in flags if f)
+    verdict = "above floor" if personal > floor else "**not above floor**"
+    return f"{verdict} ({100 * (personal - floor):+.1f}; {wins}/{len(flags)} seeds)"
+
+
+def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -> str:
+    """One leaderboard table per partitioning (mean ± std over seeds, in percent).
+
+    Columns: personalised accuracy (every scheme), global model(s) on the server
+    test set, the tuned ensemble, the ceiling of the scheme's own architectures,
+    the verdict against the floor, bytes per client and round, the plateau round
+    and the architectures the fleet trained. A second table lists each sub-model
+    slice's accuracy on the server test set.
+    """
+    out: list[str] = []
+    for partitioning, by_scheme in _group(rows).items():
+        floor_mean = spread(r["personal"] for r in by_scheme.get(FLOOR, [])).mean
+        seeds = sorted({r["seed"] for rs in by_scheme.values() for r in rs})
+        out.append(f"### {partitioning} ({len(seeds)} seeds: {', '.join(map(str, seeds))})\n")
+        out.append(
+            "| scheme | personalised % | global % | ensemble % | ceiling (own archs) % "
+            "| vs floor (local) | bytes / client-round | plateau round (95 %) | archs |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for scheme in _order(schemes):
+            rs = by_scheme.get(scheme)
+            if not rs:
+                continue
+            personal = spread(r["personal"] for r in rs)
+            ceiling = spread(r.get("ceiling_personal") for r in rs)
+            vs_floor = (
+                "floor"
+                if scheme == FLOOR
+                else _floor_text([r.get("beats_floor") for r in rs], personal.mean, floor_mean)
+            )
+            plateau = spread(r.get("plateau_personal") for r in rs)
+            archs = sorted({a for r in rs for a in r.get("archs") or []})
+            label = {FLOOR: "local (floor)", CEILING: "centralised (ceiling)"}.get(scheme, scheme)
+            out.append(
+                f"| {label} | {personal.text()} | {spread(r.get('global') for r in rs).text()} "
+                f"| {spread(r.get('ensemble') for r in rs).text()} "
+                f"| {'-' if scheme == CEILING else ceiling.text()} | {vs_floor} "
+                f"| {_bytes_text(spread(r.get('bytes') for r in rs).mean)} "
+                f"| {'-' if plateau.mean is None else f'{plateau.mean:.1f}'} "
+                f"| {', '.join(archs) if len(archs) <= 4 else f'{len(archs)} archs'} |"
+            )
+        slices = _slice_lines(by_scheme, schemes)
+        if slices:
+            out.append("\nSub-model slices on the server test set (%):\n")
+            out.extend(slices)
+        out.append("")
+    return "\n".join(out)
+
+
+def _slice_lines(
+    by_scheme: Mapping[str, Sequence[Mapping[str, Any]]], schemes: Sequence[str]
+) -> list[str]:
+    lines = []
+    for scheme in schemes:
+        rs = by_scheme.get(scheme, [])
+        names = sorted({n for r in rs for n in (r.get("slices") or {})})
+        if not names:
+            continue
+        parts = [f"{n}: {spread(r['slices'].get(n) for r in rs).text()}" for n in names]
+        lines.append(f"- {scheme}: " + "; ".join(parts))
+    return lines
+
+
+def beats_floor_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, bool | None]]:
+    """Per partitioning, per scheme: whether its mean personalised accuracy beats ``local``."""
+    out: dict[str, dict[str, bool | None]] = {}
+    for partitioning, by_scheme in _group(rows).items():
+        floor = [r["personal"] for r in by_scheme.get(FLOOR, [])]
+        out[partitioning] = {
+            s: beats_floor([r["personal"] for r in rs], floor)
+            for s, rs in by_scheme.items()
+            if s != FLOOR
+        }
+    return out
+
+
+def plot_all(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str], folder: Path) -> list[Path]:
+    """Write ``accuracy_rounds.png``, ``accuracy_vs_bytes.png`` and ``accuracy_by_arch.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _group(rows)
+    parts = list(groups)
+    order = _order(schemes)
+    colours = {s: plt.get_cmap("tab20")(i % 20) for i, s in enumerate(order)}
+    paths = []
+
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        for scheme in order:
+            rs = groups[part].get(scheme)
+            if not rs:
+                continue
+            if scheme == CEILING:
+                level = spread(r["personal"] for r in rs).mean
+                if level is not None:
+                    ax.axhline(level, color="k", ls="--", lw=1, label="centralised (ceiling)")
+                continue
+            mean, std = mean_curve([r["personal_curve"] for r in rs])
+            xs = list(range(1, len(mean) + 1))
+            colour: Any = "k" if scheme == FLOOR else colours[scheme]
+            ax.plot(
+                xs,
+                mean,
+                ls=":" if scheme == FLOOR else "-",
+                color=colour,
+                label=scheme if scheme != FLOOR else "local (floor)",
+            )
+            lo = [m - s for m, s in zip(mean, std, strict=True)]
+            hi = [m + s for m, s in zip(mean, std, strict=True)]
+            ax.fill_between(xs, lo, hi, alpha=0.15, color=colour)
+        ax.set_title(f"{part}: personalised accuracy (mean ± std over seeds)")
+        ax.set_xlabel("round")
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    paths.append(folder / "accuracy_rounds.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        for scheme in order:
+            rs = groups[part].get(scheme)
+            if not rs or scheme in (CEILING, FLOOR):
+                continue
+            acc = spread(r["personal"] for r in rs)
+            size = spread(r["bytes"] for r in rs)
+            if acc.mean is None or not size.mean:
+                continue
+            ax.errorbar(
+                size.mean / 1e3,
+                acc.mean,
+                yerr=acc.std,
+                fmt="o",
+                color=colours[scheme],
+                label=scheme,
+            )
+            ax.annotate(
+                scheme,
+                (size.mean / 1e3, acc.mean),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+        floor = spread(r["personal"] for r in groups[part].get(FLOOR, [])).mean
+        if floor is not None:
+            ax.axhline(floor, color="k", ls=":", lw=1, label="local (floor)")
+        ax.set_xscale("log")
+        ax.set_title(f"{part}: final accuracy against bytes per client-round")
+        ax.set_xlabel("kB exchanged per client and round (up + down)")
+        ax.set_ylabel("personalised accuracy")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(folder / "accuracy_vs_bytes.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    paths.append(folder / "accuracy_by_arch.png")
+    _plot_archs(groups, parts, order, paths[-1])
+    return paths
+
+
+def _plot_archs(
+    groups: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    parts: Sequence[str],
+    order: Sequence[str],
+    path: Path,
+) -> None:
+    """Heat map per partitioning: scheme (and sub-model slices) x architecture."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 6), squeeze=False)
+    for ax, part in zip(axes[0], parts, strict=True):
+        labels: list[str] = []
+        cells: list[dict[str, float]] = []
+        for scheme in order:
+            rs = groups[part].get(scheme)
+            if not rs or scheme == CEILING:
+                continue
+            archs = sorted({a for r in rs for a in r.get("personal_by_arch") or {}})
+            labels.append(f"{scheme} (clients)")
+            cells.append(
+                {
+                    a: spread((r.get("personal_by_arch") or {}).get(a) for r in rs).mean or math.nan
+                    for a in archs
+                }
+            )
+            names = sorted({n for r in rs for n in r.get("slices") or {}})
+            if names:
+                labels.append(f"{scheme} (server, slices)")
+                cells.append(
+                    {
+                        n: spread((r.get("slices") or {}).get(n) for r in rs).mean or math.nan
+                        for n in names
+                    }
+                )
+        columns = sorted({a for c in cells for a in c})
+        grid = np.array([[c.get(a, math.nan) for a in columns] for c in cells], dtype=float)
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if not math.isnan(grid[i, j]):
+                    ax.text(
+                        j,
+                        i,
+                        f"{100 * grid[i, j]:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="w" if grid[i, j] < 0.6 else "k",
+                    )
+        ax.set_title(f"{part}: accuracy by architecture / slice")
+        fig.colorbar(image, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

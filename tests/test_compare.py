@@ -1,0 +1,527 @@
+"""The evaluation protocol: metrics against hand-computed values, the report, the command."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks import compare
+from tessera.compare import metrics
+from tessera.compare.ceiling import CeilingSettings, pooled_data, train_centralised
+from tessera.compare.metrics import (
+    Partitioning,
+    ProtocolError,
+    beats_floor,
+    bytes_per_client_round,
+    ceiling_for,
+    mean_curve,
+    parse_partitioning,
+    plateau_round,
+    run_fields,
+    spread,
+)
+from tessera.compare.report import flat_rows, markdown_tables, plot_all, write_csv
+from tessera.data import PartitionConfig, load_bundle
+
+
+# ----------------------------------------------------------------- partitionings
+@pytest.mark.parametrize(
+    ("text", "expected", "label"),
+    [
+        ("iid", Partitioning("iid"), "iid"),
+        ("dirichlet:0.5", Partitioning("dirichlet", alpha=0.5), "dirichlet(0.5)"),
+        ("Dirichlet(0.1)", Partitioning("dirichlet", alpha=0.1), "dirichlet(0.1)"),
+        ("pathological:2", Partitioning("pathological", classes=2), "pathological(2)"),
+        ("pathological(3)", Partitioning("pathological", classes=3), "pathological(3)"),
+    ],
+)
+def test_parse_partitioning(text: str, expected: Partitioning, label: str) -> None:
+    part = parse_partitioning(text)
+    assert part == expected and part.label == label
+    assert parse_partitioning(part.label) == part  # labels parse back
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("shards", "'shards' is unknown"),
+        ("dirichlet:x", "alpha 'x' is not a number"),
+        ("dirichlet:-1", "alpha must be > 0"),
+        ("pathological:0", "classes must be >= 1"),
+        ("pathological:1.5", "classes '1.5' is not an integer"),
+        ("iid:3", "unknown"),
+    ],
+)
+def test_parse_partitioning_rejects(text: str, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        parse_partitioning(text)
+
+
+def test_partitioning_run_config_sets_every_key() -> None:
+    assert Partitioning("pathological", classes=3).run_config() == {
+        "partitioner": "pathological",
+        "dirichlet-alpha": 0.5,
+        "classes-per-client": 3,
+    }
+    assert Partitioning("dirichlet", alpha=0.5).slug == "dirichlet-0.5"
+
+
+# ----------------------------------------------------------------- maths
+def test_plateau_round_hand_values() -> None:
+    # final 1.0 -> target 0.95: first reached in round 4
+    assert plateau_round([0.2, 0.5, 0.9, 0.95, 1.0]) == 4
+    # final 0.8 -> target 0.76: round 2 (0.78) already; round 3 dips, still round 2
+    assert plateau_round([0.1, 0.78, 0.5, 0.8]) == 2
+    assert plateau_round([None, 0.9, float("nan"), 0.9]) == 2
+    assert plateau_round([0.5, 0.6], fraction=1.0) == 2
+    assert plateau_round([0.3, None]) is None
+    assert plateau_round([]) is None
+    assert plateau_round([0.0, 0.0]) is None
+
+
+def _record(rnd: int, clients: list[tuple[int, str, int, int]], **extra: Any) -> dict[str, Any]:
+    return {
+        "round": rnd,
+        "skipped": False,
+        "clients": [
+            {"partition_id": p, "arch": a, "bytes_up": up, "bytes_down": down}
+            for p, a, up, down in clients
+        ],
+        "num_rejected": 0,
+        "num_failed": 0,
+        **extra,
+    }
+
+
+def test_bytes_per_client_round_hand_values() -> None:
+    rounds = [
+        _record(1, [(0, "a", 100, 10), (1, "b", 200, 20)]),
+        {**_record(2, [(0, "a", 999, 999)]), "skipped": True},  # not counted
+        _record(3, [(0, "a", 300, 30)]),
+    ]
+    # 3 client-rounds: up (100 + 200 + 300) / 3, down (10 + 20 + 30) / 3
+    assert bytes_per_client_round(rounds) == (200.0, 20.0)
+    assert bytes_per_client_round([]) == (0.0, 0.0)
+
+
+def test_run_fields_reads_every_family_the_same_way() -> None:
+    rounds = [
+        _record(
+            1,
+            [(0, "cnn-1", 10, 20), (1, "cnn-5", 30, 40)],
+            personal_accuracy_mean=0.5,
+            personal_accuracy_std=0.1,
+            global_accuracy=None,
+        ),
+        _record(
+            2,
+            [(0, "cnn-1", 10, 20), (1, "cnn-5", 30, 40)],
+            personal_accuracy_mean=0.8,
+            personal_accuracy_std=0.05,
+            personal_accuracy_by_arch={"cnn-1": 0.7, "cnn-5": 0.9},
+            global_accuracy=0.6,
+            global_accuracy_by_arch={"full": 0.6},
+            submodel_accuracy={"full": 0.6, "full@w0.5": 0.4},
+            ensemble_accuracy=0.75,
+            num_rejected=2,
+        ),
+    ]
+    f = run_fields(rounds)
+    assert f["rounds"] == 2 and f["personal"] == 0.8 and f["personal_clients_std"] == 0.05
+    assert f["personal_curve"] == [0.5, 0.8] and f["global_curve"] == [None, 0.6]
+    assert f["global"] == 0.6 and f["global_by_arch"] == {"full": 0.6}
+    assert f["slices"] == {"full": 0.6, "full@w0.5": 0.4} and f["ensemble"] == 0.75
+    assert f["plateau_personal"] == 2 and f["plateau_global"] == 2
+    assert (f["bytes_up"], f["bytes_down"], f["bytes"]) == (20.0, 30.0, 50.0)
+    assert f["client_archs"] == {"0": "cnn-1", "1": "cnn-5"}
+    assert f["archs"] == ["cnn-1", "cnn-5"] and f["rejected"] == 2 and f["failed"] == 0
+    # a scheme without global model, slices or ensemble reports the same keys, empty
+    plain = run_fields(rounds[:1])
+    assert set(plain) == set(f)
+    assert plain["global"] is None and plain["slices"] == {} and plain["ensemble"] is None
+    with pytest.raises(ProtocolError, match="no round records"):
+        run_fields([])
+
+
+def test_spread_and_floor() -> None:
+    s = spread([0.5, None, 0.7, float("nan")])
+    assert s.n == 2 and s.mean == pytest.approx(0.6) and s.std == pytest.approx(0.1)
+    assert s.text() == "60.0 ± 10.0"
+    assert spread([None]).text() == "-"
+    assert spread([0.9]).std == 0.0
+    assert beats_floor([0.6, 0.8], [0.5, 0.7]) is True
+    assert beats_floor([0.6], [0.6]) is False  # equal is not better
+    assert beats_floor([None], [0.5]) is None
+
+
+def test_mean_curve_aligns_on_round_one() -> None:
+    mean, std = mean_curve([[0.2, 0.4, 0.6], [0.4, 0.6]])
+    assert mean[:2] == pytest.approx([0.3, 0.5]) and std[:2] == pytest.approx([0.1, 0.1])
+    assert mean[2] == pytest.approx(0.6) and std[2] == 0.0
+    mean, _ = mean_curve([[None, 0.5]])
+    assert math.isnan(mean[0])
+
+
+def test_ceiling_for_matches_each_client_to_its_architecture() -> None:
+    central = {
+        "cnn-1": {"personal": {"0": 0.6, "1": 0.8}, "global": 0.7},
+        "cnn-5": {"personal": {"0": 0.9, "1": 1.0}, "global": 0.95},
+    }
+    # client 0 trains cnn-1 (0.6), client 1 cnn-5 (1.0); global models cnn-1 and cnn-5
+    personal, glob = ceiling_for({"0": "cnn-1", "1": "cnn-5"}, ["cnn-1", "cnn-5"], central)
+    assert personal == pytest.approx(0.8) and glob == pytest.approx(0.825)
+    # a client with an empty held-out split is left out, not counted as zero
+    central["cnn-1"]["personal"].pop("0")
+    assert ceiling_for({"0": "cnn-1", "1": "cnn-5"}, [], central) == (1.0, None)
+    # an architecture that was not trained centrally: no ceiling
+    assert ceiling_for({"0": "vgg"}, ["vgg"], central) == (None, None)
+
+
+# ----------------------------------------------------------------- report
+def _cell(scheme: str, seed: int, personal: float, **fields: Any) -> dict[str, Any]:
+    base = run_fields(
+        [
+            _record(
+                1,
+                [(0, "cnn-1", 100, 100), (1, "cnn-5", 100, 100)],
+                personal_accuracy_mean=personal / 2,
+                global_accuracy=None,
+            ),
+            _record(
+                2,
+                [(0, "cnn-1", 100, 100), (1, "cnn-5", 100, 100)],
+                personal_accuracy_mean=personal,
+                personal_accuracy_by_arch={"cnn-1": personal - 0.05, "cnn-5": personal + 0.05},
+                global_accuracy=fields.pop("global_accuracy", None),
+                global_accuracy_by_arch=fields.pop("global_by_arch", {}),
+                submodel_accuracy=fields.pop("slices", {}),
+            ),
+        ]
+    )
+    return {
+        "key": f"{scheme}--iid--seed{seed}",
+        "kind": "scheme",
+        "scheme": scheme,
+        "partitioning": "iid",
+        "seed": seed,
+        "fields": base,
+        "seconds": 1.0,
+    }
+
+
+def _central(seed: int) -> dict[str, Any]:
+    return {
+        "key": f"centralised--iid--seed{seed}",
+        "kind": "centralised",
+        "scheme": "centralised",
+        "partitioning": "iid",
+        "seed": seed,
+        "centralised": {
+            "cnn-1": {"personal": {"0": 0.9, "1": 0.9}, "global": 0.9},
+            "cnn-5": {"personal": {"0": 1.0, "1": 1.0}, "global": 1.0},
+        },
+        "seconds": 2.0,
+    }
+
+
+def _cells() -> list[dict[str, Any]]:
+    cells = []
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        cells += [
+            _cell("local", seed, 0.70 + shift),
+            _cell("good", seed, 0.80 + shift, global_accuracy=0.6, global_by_arch={"cnn-5": 0.6}),
+            _cell("bad", seed, 0.60 + shift, slices={"cnn-5": 0.5, "cnn-5@w0.5": 0.4}),
+            _central(seed),
+        ]
+    return cells
+
+
+def test_flat_rows_ceiling_and_floor() -> None:
+    rows = {(r["scheme"], r["seed"]): r for r in flat_rows(_cells())}
+    good = rows[("good", 0)]
+    # own archs: client 0 cnn-1 (0.9), client 1 cnn-5 (1.0); global model cnn-5 (1.0)
+    assert good["ceiling_personal"] == pytest.approx(0.95)
+    assert good["ceiling_global"] == pytest.approx(1.0)
+    assert good["beats_floor"] is True and rows[("bad", 1)]["beats_floor"] is False
+    assert rows[("local", 0)]["beats_floor"] is None
+    ceiling = rows[("centralised", 0)]
+    assert ceiling["personal"] == pytest.approx(0.95) and ceiling["global"] == pytest.approx(0.95)
+    assert ceiling["bytes"] == 0.0
+
+
+def test_markdown_tables_flag_a_scheme_below_the_floor(tmp_path: Path) -> None:
+    rows = flat_rows(_cells())
+    text = markdown_tables(rows, ["good", "bad", "local"])
+    lines = text.splitlines()
+    assert lines[0] == "### iid (2 seeds: 0, 1)"
+    good = next(line for line in lines if line.startswith("| good |"))
+    bad = next(line for line in lines if line.startswith("| bad |"))
+    # good: 0.80 and 0.82 -> 81.0 ± 1.0; floor 71.0 -> +10.0, above in both seeds
+    assert "| 81.0 ± 1.0 | 60.0 ± 0.0 |" in good and "above floor (+10.0; 2/2 seeds)" in good
+    assert "**not above floor** (-10.0; 0/2 seeds)" in bad
+    assert "| local (floor) | 71.0 ± 1.0 |" in text
+    assert "| centralised (ceiling) | 95.0 ± 0.0 | 95.0 ± 0.0 |" in text
+    assert "- bad: cnn-5: 50.0 ± 0.0; cnn-5@w0.5: 40.0 ± 0.0" in text
+    # bytes: 100 up + 100 down per client-round
+    assert "| 0.2 kB |" in good
+    # the floor and the ceiling come last, whatever order the schemes are given in
+    order = [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:]
+    assert order == ["good", "bad", "local (floor)", "centralised (ceiling)"]
+
+    write_csv(rows, tmp_path / "results.csv")
+    with (tmp_path / "results.csv").open() as fh:
+        table = list(csv.DictReader(fh))
+    assert len(table) == 8 and table[0]["scheme"] == "local"
+    assert json.loads(next(r for r in table if r["scheme"] == "bad")["slices"])["cnn-5"] == 0.5
+    paths = plot_all(rows, ["good", "bad", "local"], tmp_path)
+    assert [p.name for p in paths] == [
+        "accuracy_rounds.png",
+        "accuracy_vs_bytes.png",
+        "accuracy_by_arch.png",
+    ]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+# ----------------------------------------------------------------- the ceiling
+def _write_npz(path: Path) -> Path:
+    digits = load_bundle("digits")
+    np.savez(
+        path,
+        x_train=digits.train.x[:600].reshape(600, 8, 8),
+        y_train=digits.train.y[:600],
+        x_test=digits.test.x[:200].reshape(200, 8, 8),
+        y_test=digits.test.y[:200],
+    )
+    return path
+
+
+def test_ceiling_pools_exactly_the_clients_training_splits(tmp_path: Path) -> None:
+    from tessera.data import client_data
+
+    dataset = f"npz:{_write_npz(tmp_path / 'd.npz')}"
+    part = PartitionConfig(scheme="dirichlet", alpha=0.5, seed=3)
+    settings = CeilingSettings(
+        dataset=dataset,
+        partition=part,
+        num_partitions=4,
+        pool_fraction=0.1,
+        test_fraction=0.2,
+        epochs=4,
+        batch_size=32,
+        learning_rate=0.05,
+        momentum=0.9,
+        weight_decay=0.0,
+    )
+    pooled, tests, server_test, classes, shape = pooled_data(settings)
+    expected = [
+        client_data(
+            dataset,
+            partition_id=i,
+            num_partitions=4,
+            partition=part,
+            pool_fraction=0.1,
+            test_fraction=0.2,
+        )
+        for i in range(4)
+    ]
+    assert np.array_equal(pooled.y, np.concatenate([train.y for train, _ in expected]))
+    assert all(np.array_equal(t.x, e.x) for t, (_, e) in zip(tests, expected, strict=True))
+    assert len(server_test) == 200 and classes == 10 and shape == (1, 8, 8)
+
+    lines: list[str] = []
+    out = train_centralised(settings, ["cnn-4", "cnn-3", "cnn-4"], seed=0, log=lines.append)
+    assert sorted(out) == ["cnn-3", "cnn-4"] and len(lines) == 2
+    for entry in out.values():
+        assert entry["epochs"] == 4 and entry["train_examples"] == len(pooled)
+        assert set(entry["personal"]) <= {"0", "1", "2", "3"}
+        assert 0.5 < entry["global"] <= 1.0  # 4 epochs on 486 digits: far above 10 % chance
+    # deterministic under the seed
+    again = train_centralised(settings, ["cnn-3"], seed=0)
+    assert again["cnn-3"]["global"] == out["cnn-3"]["global"]
+
+
+# ----------------------------------------------------------------- the command
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = compare.main(args)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--schemes", "fedavg,nope"], "unknown scheme(s) ['nope']"),
+        (["--partitionings", "shards"], "partitioning 'shards' is unknown"),
+        (["--seeds", "a"], "--seeds 'a': give integers"),
+        (["--nodes", "1"], "at least 2 clients"),
+        (["--set", "no-such-key=1"], "['no-such-key'] are not Tessera keys"),
+        (["--set", "norm"], "'norm' is not key=value"),
+        (["--set", "aggregator=nope"], "aggregator"),
+        (["--scheme-set", "fedavg=1"], "is not scheme:key=value"),
+        (["--schemes", "fedavg", "--scheme-set", "felo:felo-alpha=1"], "'felo' is tuned or set"),
+        (["--tune", "fedhenn:eta0=0.1|1", "--seeds", "7"], "also a reported seed"),
+    ],
+)
+def test_command_refuses_bad_settings(
+    args: list[str], match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _main([*args, "--out", str(tmp_path)], capsys)
+    assert code == 2 and match in out
+    assert not (tmp_path / "cells.jsonl").exists()
+
+
+def test_command_refuses_a_folder_of_other_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = _main(["--schemes", "local", "--report-only", "--out", str(tmp_path)], capsys)
+    assert code == 0 and (tmp_path / "settings.json").exists()
+    code, out = _main(
+        ["--schemes", "local", "--rounds", "3", "--report-only", "--out", str(tmp_path)], capsys
+    )
+    assert code == 2 and "rounds: 15 -> 3" in out and "pass another --out" in out
+
+
+def test_all_schemes_and_scheme_settings() -> None:
+    import strategies
+
+    names = compare.all_schemes()
+    assert names[-1] == "local" and "flwr-fedavg" not in names
+    assert set(names) == set(strategies.list_schemes()) - {"flwr-fedavg"}
+    assert compare.check_schemes(["local", "felo"]) == ["felo", "local"]
+    assert compare.scheme_config("fedhenn", {"fedhenn": {"eta0": 1.0}}) == {
+        "strategy": "fedhenn",
+        "eta0": 1.0,
+    }
+    assert compare.run_config_text({"a": "x", "b": 2, "c": True, "d": 0.5}) == (
+        "a='x' b=2 c=true d=0.5"
+    )
+    with pytest.raises(ProtocolError, match="holds a quote"):
+        compare.format_value("it's")
+    assert [compare.parse_value(v) for v in ("true", "3", "0.5", "x")] == [True, 3, 0.5, "x"]
+
+
+def test_tuning_keeps_the_best_value_of_the_validation_seed(tmp_path: Path) -> None:
+    args = compare.build_parser().parse_args(
+        ["--schemes", "fedhenn", "--tune", "fedhenn:eta0=0.1|1.0", "--out", str(tmp_path)]
+    )
+    comparison = compare.comparison_from_args(args)
+    assert comparison.tune == {"fedhenn": {"eta0": [0.1, 1.0]}}
+    tuning = comparison.tuning_cells()
+    assert {c.seed for c in tuning} == {7} and len(tuning) == 2 * 3
+    part = comparison.partitionings[0]
+    assert comparison.chosen("fedhenn", part) == {}  # nothing run yet: the scheme's own
+    scores = {"eta0=0.1": 0.4, "eta0=1.0": 0.9}
+    for cell in tuning:
+        if cell.partitioning == part:
+            comparison._append(
+                {
+                    "key": cell.key,
+                    "kind": "scheme",
+                    "scheme": cell.label,
+                    "partitioning": part.label,
+                    "seed": cell.seed,
+                    "fields": {"personal": scores[cell.variant]},
+                    "seconds": 0.0,
+                }
+            )
+    assert comparison.chosen("fedhenn", part) == {"eta0": 1.0}
+    fedhenn = next(
+        c for c in comparison.cells() if c.scheme == "fedhenn" and c.partitioning == part
+    )
+    assert dict(fedhenn.config)["eta0"] == 1.0
+    other = comparison.partitionings[1]
+    assert (
+        dict(
+            next(
+                c for c in comparison.cells() if c.scheme == "fedhenn" and c.partitioning == other
+            ).config
+        )["eta0"]
+        == compare.SCHEME_SETTINGS["fedhenn"]["eta0"]
+    )
+    assert metrics.FLOOR == "local"
+
+
+# ----------------------------------------------------------------- end to end
+def _local_hub_dataset(root: Path) -> Path:
+    """A Hugging Face dataset folder (parquet train/test splits) made from digits."""
+    import datasets
+
+    digits = load_bundle("digits")
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)}
+    )
+    (root / "data").mkdir(parents=True)
+    for split, data, n in (("train", digits.train, 500), ("test", digits.test, 200)):
+        images = [(x.reshape(8, 8) * 255 / max(x.max(), 1e-6)).astype(np.uint8) for x in data.x[:n]]
+        table = datasets.Dataset.from_dict(
+            {"image": images, "label": data.y[:n].tolist()}, features=features
+        )
+        table.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+@pytest.mark.slow
+def test_compare_runs_flower_simulations_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two schemes (fedavg-groups, and the floor) on a flwr-datasets data set read from a
+    local folder, through real Flower simulations; then the ceiling; a rerun runs nothing."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    dataset = f"hf:{_local_hub_dataset(tmp_path / 'hub-digits')}"
+    out = tmp_path / "cmp"
+    args = [
+        "--schemes", "fedavg-groups",
+        "--partitionings", "dirichlet:0.5",
+        "--seeds", "3",
+        "--rounds", "2",
+        "--nodes", "3",
+        "--fleet", "cpu-small,cpu-large",
+        "--dataset", dataset,
+        "--out", str(out),
+    ]  # fmt: skip
+    code, text = _main(args, capsys)
+    assert code == 0, text[-3000:]
+    assert '"rounds": 2' in text and f"--dataset {dataset}" in text  # the settings, printed
+    rows = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in rows] == [
+        "local--dirichlet-0.5--seed3",
+        "fedavg-groups--dirichlet-0.5--seed3",
+        "centralised--dirichlet-0.5--seed3",
+    ]
+    fedavg = rows[1]["fields"]
+    assert fedavg["rounds"] == 2 and len(fedavg["personal_curve"]) == 2
+    assert fedavg["global"] is not None and fedavg["bytes"] > 10_000  # weights, both ways
+    assert rows[0]["fields"]["global"] is None and rows[0]["fields"]["bytes"] < 2_000
+    # every run saw exactly the same split, fleet and seed
+    configs = [
+        json.loads((out / "runs" / r["key"] / "config.json").read_text())["run_config"]
+        for r in rows[:2]
+    ]
+    for key in ("dataset", "seed", "partitioner", "sim-device-profiles", "local-epochs"):
+        assert configs[0][key] == configs[1][key], key
+    assert configs[0]["seed"] == 3 and configs[0]["dataset"] == dataset
+    archs = set(rows[0]["fields"]["archs"]) | set(rows[1]["fields"]["archs"])
+    assert set(rows[2]["centralised"]) >= archs
+    board = (out / "leaderboard.md").read_text()
+    assert "| fedavg-groups |" in board and "| local (floor) |" in board
+    assert "| centralised (ceiling) |" in board
+    with (out / "results.csv").open() as fh:
+        assert {r["scheme"] for r in csv.DictReader(fh)} == {
+            "local",
+            "fedavg-groups",
+            "centralised",
+        }
+    assert all(
+        (out / f).stat().st_size > 10_000
+        for f in ("accuracy_rounds.png", "accuracy_vs_bytes.png", "accuracy_by_arch.png")
+    )
+    code, text = _main(args, capsys)
+    assert code == 0 and "2 runs, 2 already done, 0 to run" in text
+    assert len((out / "cells.jsonl").read_text().splitlines()) == 3
