@@ -805,7 +805,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProtocolError as err:
         print(f"compare: {err}", file=sys.stderr)
         return 2
-    info = comparison.write_settings(args_list)
+    if args.report_only and (comparison.out / "settings.json").exists():
+        info = json.loads((comparison.out / "settings.json").read_text())  # keep the command
+    else:
+        info = comparison.write_settings(args_list)
     print("settings (repeat with the command below; settings.json has them all):")
     print(json.dumps({k: info[k] for k in ("settings", "schemes", "partitionings", "seeds")}))
     print(f"  command: {info['command']}")

@@ -46,6 +46,20 @@ def _model_param(name: str) -> object:
 
 CONV_MODELS = [_model_param(n) for f in CONV_FAMILIES for n in list_models(f)]
 SMALLEST_PER_FAMILY = [_model_param(list_models(f)[0]) for f in CONV_FAMILIES]
+ENDS_PER_FAMILY = [
+    _model_param(n)
+    for f in CONV_FAMILIES
+    for n in dict.fromkeys(list_models(f)[:: len(list_models(f)) - 1 or 1])
+]
+"""The smallest and the largest model of each family (CI time: every model builds in 1-d
+below, with a multichannel signal; the other forms are checked at each family's ends)."""
+SIGNAL_CASES = [
+    *[pytest.param(p.values[0], (3, 40), marks=p.marks, id=f"{p.id}-(3, 40)") for p in CONV_MODELS],
+    *[
+        pytest.param(p.values[0], (40,), marks=p.marks, id=f"{p.id}-(40,)")
+        for p in SMALLEST_PER_FAMILY
+    ],
+]
 
 
 def _layer_types(model: nn.Module) -> set[type[nn.Module]]:
@@ -85,8 +99,7 @@ def test_every_family_but_mlp_is_convolutional() -> None:
     ]
 
 
-@pytest.mark.parametrize("input_shape", SIGNAL_SHAPES, ids=str)
-@pytest.mark.parametrize("name", CONV_MODELS)
+@pytest.mark.parametrize(("name", "input_shape"), SIGNAL_CASES)
 def test_signal_form_builds_1d_layers_with_the_body_head_interface(
     name: str, input_shape: tuple[int, ...]
 ) -> None:
@@ -115,7 +128,7 @@ def test_signal_form_builds_1d_layers_with_the_body_head_interface(
         assert torch.isfinite(param.grad).all(), f"{name}: {pname} has a bad gradient"
 
 
-@pytest.mark.parametrize("name", CONV_MODELS)
+@pytest.mark.parametrize("name", ENDS_PER_FAMILY)
 def test_square_form_reshapes_a_flat_vector_to_a_2d_image(name: str) -> None:
     model = get_model(name, input_shape=(40,), num_classes=NUM_CLASSES, flat_input="square")
 
