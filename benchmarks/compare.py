@@ -795,6 +795,10 @@ def _check_run_config(
             raise ProtocolError(f"scheme {scheme}: {err}") from None
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the comparison; 0 when every cell finished."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -815,7 +819,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  results: {comparison.out}")
     failed: list[str] = []
     if not args.report_only:
-        failed = comparison.run()
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it like Ctrl-C
+        try:
+            failed = comparison.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     table = comparison.report()
     print(table.read_text())
     print(f"results: {comparison.out} (results.csv, leaderboard.md, *.png)")
