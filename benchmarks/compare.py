@@ -778,6 +778,8 @@ def _check_run_config(
 ) -> None:
     """Parse every scheme's full run-config as the ServerApp will (fail before any run)."""
     from benchmarks.harness import default_run_config
+    from strategies import get_scheme
+    from strategies.aggregators import get_aggregator
     from tessera.config import ConfigError, RunConfig
 
     base = default_run_config()
@@ -790,7 +792,10 @@ def _check_run_config(
                 "in pyproject.toml"
             )
         try:
-            RunConfig.from_flower(config).validate()
+            run = RunConfig.from_flower(config)
+            run.validate()
+            get_aggregator(run.aggregator)
+            get_scheme(scheme).parse_options(config)
         except (ConfigError, ValueError) as err:
             raise ProtocolError(f"scheme {scheme}: {err}") from None
 

@@ -362,15 +362,25 @@ def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
         (["--nodes", "1"], "at least 2 clients"),
         (["--set", "no-such-key=1"], "['no-such-key'] are not Tessera keys"),
         (["--set", "norm"], "'norm' is not key=value"),
-        (["--set", "aggregator=nope"], "aggregator"),
+        (["--set", "aggregator=nope"], "run-config 'aggregator' is 'nope'"),
+        (["--set", "clip-norm=-1"], "clip-norm"),
+        (["--scheme-set", "fedfa:fedfa-percentile=150"], "fedfa-percentile"),
         (["--scheme-set", "fedavg=1"], "is not scheme:key=value"),
         (["--schemes", "fedavg", "--scheme-set", "felo:felo-alpha=1"], "'felo' is tuned or set"),
         (["--tune", "fedhenn:eta0=0.1|1", "--seeds", "7"], "also a reported seed"),
     ],
 )
 def test_command_refuses_bad_settings(
-    args: list[str], match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    args: list[str],
+    match: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    def no_simulation(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("bad settings must be refused before any simulation starts")
+
+    monkeypatch.setattr(compare, "simulate", no_simulation)
     code, out = _main([*args, "--out", str(tmp_path)], capsys)
     assert code == 2 and match in out
     assert not (tmp_path / "cells.jsonl").exists()
