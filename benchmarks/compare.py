@@ -65,6 +65,7 @@ from tessera.compare.metrics import (  # noqa: E402
     parse_partitioning,
     run_fields,
 )
+from tessera.report import load_run  # noqa: E402
 
 STOP = threading.Event()
 """Set on Ctrl-C: running simulations stop (their process groups are killed)."""
@@ -305,7 +306,10 @@ def simulate(
     if proc.returncode != 0:
         tail = log_path.read_text()[-2500:]
         raise RuntimeError(f"{cell.key}: simulation exited {proc.returncode}\n{tail}")
-    rounds = _load_rounds(run_dir)
+    try:
+        _, rounds, _ = load_run(run_dir)
+    except FileNotFoundError as err:
+        raise RuntimeError(f"{cell.key}: {err} (log {log_path})") from None
     if len(rounds) != settings.rounds:
         raise RuntimeError(
             f"{cell.key}: completed {len(rounds)} of {settings.rounds} rounds (log {log_path})"
@@ -326,19 +330,12 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def _load_rounds(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _round_progress(run_dir: Path, seen: int, total: int, log: Callable[[str], None]) -> int:
     """Print one line per round the running simulation finished since the last look."""
     try:
-        rounds = _load_rounds(run_dir)
+        _, rounds, _ = load_run(run_dir)
     except (OSError, json.JSONDecodeError):
-        return seen  # the line is being written
+        return seen  # not started yet, or the line is being written
     for record in rounds[seen:]:
         acc = record.get("personal_accuracy_mean")
         glob = record.get("global_accuracy")
@@ -437,9 +434,14 @@ class Comparison:
                         )
         return cells
 
-    def chosen(self, scheme: str, part: Partitioning) -> dict[str, Any]:
-        """Return the tuned values for a scheme and partitioning (best validation accuracy)."""
-        done = self.done()
+    def chosen(
+        self, scheme: str, part: Partitioning, done: Mapping[str, dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Return the tuned values for a scheme and partitioning (best validation accuracy).
+
+        ``done`` is :meth:`done` when the caller has read it already.
+        """
+        done = self.done() if done is None else done
         out: dict[str, Any] = {}
         for key, values in self.tune.get(scheme, {}).items():
             scored = []
@@ -455,11 +457,15 @@ class Comparison:
     def cells(self) -> list[Cell]:
         """Return the reported cells: seed, then partitioning, then scheme (floor first)."""
         order = [FLOOR, *[s for s in self.schemes if s != FLOOR]]
+        done = self.done() if self.tune else {}  # read once, not once per cell
         cells = []
         for seed in self.seeds:
             for part in self.partitionings:
                 for scheme in order:
-                    config = {**scheme_config(scheme, self.overrides), **self.chosen(scheme, part)}
+                    config = {
+                        **scheme_config(scheme, self.overrides),
+                        **self.chosen(scheme, part, done),
+                    }
                     cells.append(Cell(scheme, part, seed, tuple(config.items())))
         return cells
 
