@@ -50,16 +50,39 @@ ray_start_failed() {
         && grep -qE "timed out during startup|logs/gcs_server.err" "$LOG" \
         && ! grep -q "ServerApp thread raised an exception" "$LOG"
 }
+# What the machine looked like when Ray would not start, so a failure says why.
+ray_start_diagnostics() {
+    {
+        echo "simulate.sh: machine state after Ray failed to start:"
+        echo "  load: $(cut -d' ' -f1-3 /proc/loadavg)"
+        echo "  memory: $(free -m | awk '/Mem:/ {print $7 " MiB available of " $2}')"
+        echo "  /tmp: $(df -h /tmp | awk 'NR==2 {print $4 " free"}'), /dev/shm: $(df -h /dev/shm | awk 'NR==2 {print $4 " free"}')"
+        echo "  ray processes still alive: $(pgrep -fc 'gcs_server|raylet|ray::' || true)"
+        local session
+        session="$(grep -oE '/tmp/ray/session_[0-9_-]+' "$LOG" | tail -1 || true)"
+        if [ -n "$session" ] && [ -d "$session/logs" ]; then
+            echo "  $session/logs: $(ls "$session/logs" | tr '\n' ' ')"
+            tail -n 5 "$session"/logs/gcs_server*.out 2>/dev/null | sed 's/^/    /'
+        fi
+    } >&2
+}
+# Give the GCS a minute to answer (Ray's default is 20 one-second tries).
+export RAY_NUM_REDIS_GET_RETRIES="${RAY_NUM_REDIS_GET_RETRIES:-60}"
 for attempt in 1 2 3; do
     run_flower
     if [ "$attempt" -lt 3 ] && ray_start_failed; then
         echo "simulate.sh: Ray failed to start (attempt $attempt of 3); retrying the run" >&2
+        ray_start_diagnostics
         stop_local_superlink "$FLWR_HOME"
         rm -rf "${OUTPUT_DIR:?}/$RUN_NAME"
         FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
-        sleep 2
+        sleep $((attempt * 10))
         continue
     fi
     break
 done
+if ray_start_failed; then
+    echo "simulate.sh: Ray failed to start in 3 attempts; see $LOG" >&2
+    ray_start_diagnostics
+fi
 python -m tessera.report "$OUTPUT_DIR/$RUN_NAME"
