@@ -62,7 +62,7 @@ ray_start_diagnostics() {
         session="$(grep -oE '/tmp/ray/session_[0-9_-]+' "$LOG" | tail -1 || true)"
         if [ -n "$session" ] && [ -d "$session/logs" ]; then
             echo "  $session/logs: $(ls "$session/logs" | tr '\n' ' ')"
-            tail -n 5 "$session"/logs/gcs_server*.out 2>/dev/null | sed 's/^/    /'
+            tail -n 5 "$session"/logs/gcs_server*.out 2>/dev/null | sed 's/^/    /' || true
         fi
     } >&2
 }
