@@ -486,9 +486,34 @@ class Comparison:
             failed += self._run_ceilings()
         return failed
 
-    def _run_cells(self, cells: Sequence[Cell]) -> list[str]:
+    def pending(self, cells: Sequence[Cell]) -> list[Cell]:
+        """Return the cells to run: unfinished, or finished with another run-config.
+
+        A finished cell whose recorded run-config differs from the cell's (a tuned
+        value chosen again once more candidates finished, a changed scheme setting)
+        is run again, and the log says which keys changed.
+        """
         done = self.done()
-        todo = [c for c in cells if c.key not in done]
+        todo = []
+        for cell in cells:
+            row = done.get(cell.key)
+            if row is None:
+                todo.append(cell)
+                continue
+            want = json.loads(json.dumps(dict(cell.config)))
+            have = row.get("run_config", want)
+            if have != want:
+                changed = ", ".join(
+                    f"{k} {have.get(k)!r} -> {want.get(k)!r}"
+                    for k in sorted(set(have) | set(want))
+                    if have.get(k) != want.get(k)
+                )
+                self.log(f"  {cell.key} ran with another run-config ({changed}): running it again")
+                todo.append(cell)
+        return todo
+
+    def _run_cells(self, cells: Sequence[Cell]) -> list[str]:
+        todo = self.pending(cells)
         self.log(f"{len(cells)} runs, {len(cells) - len(todo)} already done, {len(todo)} to run")
         failed: list[str] = []
         started = time.monotonic()

@@ -455,6 +455,43 @@ def test_tuning_keeps_the_best_value_of_the_validation_seed(tmp_path: Path) -> N
     )
 
 
+def test_a_finished_cell_with_another_run_config_runs_again(tmp_path: Path) -> None:
+    # Arrange: fedhenn finished on seed 0 with eta0=0.1, then the validation seed chose 1.0
+    args = compare.build_parser().parse_args(
+        ["--schemes", "fedhenn", "--seeds", "0", "--partitionings", "iid", "--out", str(tmp_path)]
+    )
+    comparison = compare.comparison_from_args(args)
+    logged: list[str] = []
+    comparison.log = logged.append
+    cells = comparison.cells()
+    fedhenn = next(c for c in cells if c.scheme == "fedhenn")
+    floor = next(c for c in cells if c.scheme == compare.FLOOR)
+    for cell in (fedhenn, floor):
+        comparison._append(
+            {
+                "key": cell.key,
+                "kind": "scheme",
+                "scheme": cell.label,
+                "partitioning": cell.partitioning.label,
+                "seed": cell.seed,
+                "run_config": dict(cell.config),
+                "fields": {"personal": 0.5},
+                "seconds": 0.0,
+            }
+        )
+    assert comparison.pending(cells) == []
+    retuned = compare.Cell(
+        fedhenn.scheme, fedhenn.partitioning, fedhenn.seed, (("strategy", "fedhenn"), ("eta0", 1.0))
+    )
+
+    # Execute
+    todo = comparison.pending([retuned, floor])
+
+    # Assert
+    assert todo == [retuned]
+    assert any("eta0 0.1 -> 1.0" in line for line in logged), logged
+
+
 # ----------------------------------------------------------------- end to end
 def _local_hub_dataset(root: Path) -> Path:
     """A Hugging Face dataset folder (parquet train/test splits) made from digits."""
