@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from benchmarks import compare
-from tessera.compare.ceiling import CeilingSettings, pooled_data, train_centralised
+from tessera.compare.ceiling import (
+    CeilingSettings,
+    ceiling_learning_rates,
+    pooled_data,
+    train_centralised,
+)
 from tessera.compare.metrics import (
     Partitioning,
     ProtocolError,
@@ -343,6 +348,49 @@ def test_ceiling_pools_exactly_the_clients_training_splits(tmp_path: Path) -> No
     # deterministic under the seed
     again = train_centralised(settings, ["cnn-3"], seed=0)
     assert again["cnn-3"]["global"] == out["cnn-3"]["global"]
+
+
+def test_ceiling_halves_the_learning_rate_where_the_loss_diverges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tessera.training as training
+
+    real = training.train_model
+
+    def nan_above(limit: float) -> Any:
+        def train(model: Any, data: Any, *, optim: Any, **kwargs: Any) -> Any:
+            if optim.learning_rate > limit:
+                raise FloatingPointError("local loss became nan")
+            return real(model, data, optim=optim, **kwargs)
+
+        return train
+
+    settings = CeilingSettings(
+        dataset=f"npz:{_write_npz(tmp_path / 'd.npz')}",
+        partition=PartitionConfig(scheme="iid", seed=0),
+        num_partitions=2,
+        pool_fraction=0.1,
+        test_fraction=0.2,
+        epochs=1,
+        batch_size=32,
+        learning_rate=0.05,
+        momentum=0.9,
+        weight_decay=0.0,
+    )
+    assert ceiling_learning_rates(0.05) == [0.05, 0.025, 0.0125]
+
+    # diverges at 0.05, trains at 0.025: recorded
+    monkeypatch.setattr(training, "train_model", nan_above(0.03))
+    lines: list[str] = []
+    out = train_centralised(settings, ["cnn-3"], seed=0, log=lines.append)
+    assert out["cnn-3"]["learning_rate"] == 0.025 and out["cnn-3"]["global"] is not None
+    assert "nan at learning rate 0.05" in lines[0]
+
+    # diverges at every rate: no ceiling, and no ceiling for the runs that trained it
+    monkeypatch.setattr(training, "train_model", nan_above(0.0))
+    out = train_centralised(settings, ["cnn-3"], seed=0)
+    assert out["cnn-3"]["diverged"] and out["cnn-3"]["global"] is None
+    assert ceiling_for({"0": "cnn-3"}, ["cnn-3"], out) == (None, None)
 
 
 # ----------------------------------------------------------------- the command

@@ -86,6 +86,21 @@ def pooled_data(
     return pooled, tests, bundle.test, bundle.num_classes, bundle.input_shape
 
 
+def ceiling_learning_rates(learning_rate: float, halvings: int = 2) -> list[float]:
+    """Return the learning rates the ceiling tries, in order: the runs' own, then halves.
+
+    A ceiling that diverges is no ceiling: an architecture whose loss becomes NaN at
+    the federation's learning rate (a deep narrow model with momentum 0.9) is trained
+    again at half of it, up to ``halvings`` times; the rate used is recorded.
+
+    Examples
+    --------
+    >>> ceiling_learning_rates(0.05)
+    [0.05, 0.025, 0.0125]
+    """
+    return [learning_rate / 2**i for i in range(halvings + 1)]
+
+
 def train_centralised(
     settings: CeilingSettings,
     archs: Iterable[str],
@@ -111,8 +126,11 @@ def train_centralised(
     dict
         Per architecture: ``personal`` (accuracy on each client's held-out split,
         by partition id as a string; clients with an empty split are left out),
-        ``global`` (accuracy on the server test set), ``seconds``, ``epochs``,
-        ``train_examples``.
+        ``global`` (accuracy on the server test set), ``learning_rate`` (the rate
+        that trained it: the runs' own, or a half of it where that diverged, see
+        :func:`ceiling_learning_rates`), ``seconds``, ``epochs``, ``train_examples``.
+        An architecture that diverged at every rate has ``diverged`` true,
+        ``global`` None and no ``personal`` accuracies.
     """
     import torch
 
@@ -120,26 +138,45 @@ def train_centralised(
     from tessera.training import OptimConfig, evaluate_model, train_model
 
     pooled, client_tests, server_test, num_classes, input_shape = pooled_data(settings)
-    optim = OptimConfig(
-        settings.epochs,
-        settings.batch_size,
-        settings.learning_rate,
-        settings.momentum,
-        settings.weight_decay,
-    )
     device = torch.device("cpu")
     out: dict[str, dict[str, Any]] = {}
     for arch in sorted(set(archs)):
         started = time.monotonic()
-        torch.manual_seed(seed)
-        model = get_model(
-            arch,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            norm=settings.norm,
-            flat_input=settings.flat_input,  # type: ignore[arg-type]
-        )
-        train_model(model, pooled, optim=optim, device=device, seed=seed)
+        model = None
+        for learning_rate in ceiling_learning_rates(settings.learning_rate):
+            torch.manual_seed(seed)
+            model = get_model(
+                arch,
+                input_shape=input_shape,
+                num_classes=num_classes,
+                norm=settings.norm,
+                flat_input=settings.flat_input,  # type: ignore[arg-type]
+            )
+            optim = OptimConfig(
+                settings.epochs,
+                settings.batch_size,
+                learning_rate,
+                settings.momentum,
+                settings.weight_decay,
+            )
+            try:
+                train_model(model, pooled, optim=optim, device=device, seed=seed)
+                break
+            except FloatingPointError:
+                log(f"    centralised {arch}: loss became nan at learning rate {learning_rate:g}")
+                model = None
+        if model is None:
+            out[arch] = {
+                "personal": {},
+                "global": None,
+                "diverged": True,
+                "learning_rate": None,
+                "seconds": round(time.monotonic() - started, 3),
+                "epochs": settings.epochs,
+                "train_examples": len(pooled),
+            }
+            log(f"    centralised {arch}: diverged at every learning rate tried; no ceiling")
+            continue
         personal = {
             str(pid): evaluate_model(model, test, batch_size=256, device=device)[1]
             for pid, test in enumerate(client_tests)
@@ -150,6 +187,7 @@ def train_centralised(
         out[arch] = {
             "personal": personal,
             "global": float(global_acc),
+            "learning_rate": learning_rate,
             "seconds": round(seconds, 3),
             "epochs": settings.epochs,
             "train_examples": len(pooled),

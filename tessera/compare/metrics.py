@@ -306,7 +306,7 @@ def ceiling_for(
     personal: list[float] = []
     for pid, arch in client_archs.items():
         entry = centralised.get(arch)
-        if entry is None:
+        if entry is None or entry.get("diverged"):
             return None, _global_ceiling(global_archs, centralised)
         value = entry.get("personal", {}).get(pid)
         if value is not None:  # absent: the client's held-out split is empty
