@@ -213,7 +213,7 @@ def handshake(msg: Message, context: Context) -> Message:
             node.partition_id,
             benchmark=True,
         )
-    family = run.model_family or get_scheme(run.strategy).default_family
+    family = run.model_family or get_scheme(run.strategy).family(algorithm.options)
     workload = Workload(
         samples_per_round=len(data.train) * run.local_epochs,
         batch_size=run.batch_size,

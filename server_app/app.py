@@ -118,7 +118,7 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
     run = RunConfig.from_flower(run_config)
     scheme = get_scheme(run.strategy)
     options = scheme.parse_options(run_config)
-    family = run.model_family or scheme.default_family
+    family = run.model_family or scheme.family(options)
     try:
         list_models(family)
     except ValueError as err:

@@ -1,19 +1,76 @@
-"""Local training only: the floor every heterogeneous scheme must beat."""
+"""Local training only: the floor every heterogeneous scheme must beat.
+
+With run-config ``local-like`` naming another scheme, each client trains alone on
+exactly the architectures that scheme would give it (its family, its candidate
+architectures such as sub-model slices, its model construction), so a scheme whose
+family is not the default ``cnn`` is compared with a floor of its own architectures.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from strategies.base import HeteroStrategy
 from strategies.client import ClientAlgorithm
-from strategies.registry import Scheme, no_options, register_scheme
-from tessera.config import RunConfig
+from strategies.registry import Scheme, SchemeError, get_scheme, register_scheme
+from tessera.config import ConfigError, ConfigReader, RunConfig
+
+NAME = "local"
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """Run-config ``local-like``: the scheme whose architectures the clients train alone.
+
+    Attributes
+    ----------
+    like : str or None
+        A registered scheme other than ``local``; None (``local-like = ""``): the
+        ``cnn`` family, as any scheme without a family of its own.
+    like_options : Any
+        That scheme's own options, parsed from the same run-config (they decide
+        e.g. which sub-model slices a device may pick).
+    """
+
+    like: str | None = None
+    like_options: Any = None
+
+    @classmethod
+    def parse(cls, run_config: Mapping[str, Any]) -> LocalOptions:
+        """Read ``local-like`` (and the named scheme's options) from the run-config."""
+        like = ConfigReader(run_config, "run-config").get("local-like", str, "").strip()
+        if not like:
+            return cls()
+        if like == NAME:
+            raise ConfigError(
+                "run-config 'local-like' is 'local'; name another scheme (e.g. 'fedfa') "
+                "or leave it empty"
+            )
+        try:
+            scheme = get_scheme(like)
+        except SchemeError as err:
+            raise ConfigError(f"run-config 'local-like': {err}") from None
+        return cls(like=like, like_options=scheme.parse_options(run_config))
+
+    def family(self) -> str:
+        """Return the architecture family when run-config ``model-family`` is empty."""
+        return "cnn" if self.like is None else get_scheme(self.like).family(self.like_options)
 
 
 class LocalStrategy(HeteroStrategy):
     """Sends only the round's config; nothing is aggregated."""
 
-    name = "local"
+    name = NAME
+
+    def known_archs(self) -> list[str]:
+        """Return the ``local-like`` scheme's candidates (its slices), else every model."""
+        options = self.options
+        if not isinstance(options, LocalOptions) or options.like is None:
+            return super().known_archs()
+        client = get_scheme(options.like).client(run=self.env.run, options=options.like_options)
+        return client.candidate_archs(self.env.family)
 
 
 class LocalClient(ClientAlgorithm):
@@ -23,15 +80,32 @@ class LocalClient(ClientAlgorithm):
         super().__init__(run=run, options=options)
         self.keeps_personal_model = True
         self.sends_weights = False
+        like = options.like if isinstance(options, LocalOptions) else None
+        self.like: ClientAlgorithm | None = (
+            None if like is None else get_scheme(like).client(run=run, options=options.like_options)
+        )
+
+    def candidate_archs(self, family: str) -> list[str]:
+        """Return the ``local-like`` scheme's candidates (e.g. its slices), else the family's."""
+        if self.like is None:
+            return super().candidate_archs(family)
+        return self.like.candidate_archs(family)
+
+    def build_model(self, arch: str, *, input_shape: tuple[int, ...], num_classes: int) -> Any:
+        """Build ``arch`` as the ``local-like`` scheme does, else as the zoo does."""
+        if self.like is None:
+            return super().build_model(arch, input_shape=input_shape, num_classes=num_classes)
+        return self.like.build_model(arch, input_shape=input_shape, num_classes=num_classes)
 
 
 SCHEME = register_scheme(
     Scheme(
-        name="local",
+        name=NAME,
         server=LocalStrategy,
         client=LocalClient,
-        parse_options=no_options,
+        parse_options=LocalOptions.parse,
         default_family="cnn",
         description="each client trains alone on its own architecture (no communication)",
+        family_of=LocalOptions.family,
     )
 )

@@ -64,6 +64,10 @@ class Scheme:
         The architecture family used when run-config ``model-family`` is empty.
     description : str
         One line for ``--help`` style listings and the README.
+    family_of : Callable[[Any], str] or None
+        For a scheme whose family depends on its options (``local`` with
+        ``local-like``): the family given the parsed options; None: always
+        ``default_family``.
     """
 
     name: str
@@ -72,6 +76,11 @@ class Scheme:
     parse_options: Callable[[Mapping[str, Any]], Any]
     default_family: str
     description: str
+    family_of: Callable[[Any], str] | None = None
+
+    def family(self, options: Any) -> str:
+        """Return the architecture family when run-config ``model-family`` is empty."""
+        return self.default_family if self.family_of is None else self.family_of(options)
 
 
 _SCHEMES: dict[str, Scheme] = {}

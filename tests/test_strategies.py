@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -31,7 +32,7 @@ from strategies.base import exchange, parse_handshake, wait_for_nodes
 from strategies.fedprox import FedProxClient, FedProxOptions, proximal_term
 from strategies.validation import Rejection
 from tessera import wire
-from tessera.config import RunConfig
+from tessera.config import ConfigError, RunConfig
 from tessera.results import plot_rounds
 from tests.conftest import (
     FakeGrid,
@@ -87,6 +88,11 @@ RUNS: dict[str, dict[str, Any]] = {
         "overrides": {"fedavg-arch": "cnn-5", "fedavg-exclude-unfit": True},
     },
     "fedavg-forced": {"strategy": "fedavg", "overrides": {"fedavg-arch": "cnn-2"}, "rounds": 1},
+    "local-like-fedfa": {
+        "strategy": "local",
+        "overrides": {"local-like": "fedfa", "model-family": "", "norm": "static-batch"},
+        "rounds": 1,
+    },
     "fedavg-groups-silent": {"strategy": "fedavg-groups", "silent": {(33, "train")}},
     "fedavg-groups-raising": {
         "strategy": "fedavg-groups",
@@ -533,6 +539,56 @@ def test_local_sends_and_receives_no_arrays(federation: FederationRunner) -> Non
     # the clients keep their personal models
     for node, context in fed.grid.contexts.items():
         assert "tessera.model" in context.state.array_records, node
+
+
+def test_local_like_trains_the_named_schemes_slices_alone(
+    federation: FederationRunner, default_run_config: dict[str, Any]
+) -> None:
+    from strategies.local import LocalOptions
+
+    # Execute
+    fed = federation("local-like-fedfa")
+
+    # Assert: every node picked one of FedFA's slices and nothing travelled
+    config = {**default_run_config, "local-like": "fedfa", "model-family": ""}
+    options = LocalOptions.parse(config)
+    assert get_scheme("local").family(options) == "preresnet"
+    fedfa = get_scheme("fedfa")
+    slices = fedfa.client(
+        run=RunConfig.from_flower(config), options=fedfa.parse_options(config)
+    ).candidate_archs("preresnet")
+    choices = fed.node_choices()
+    assert len(choices) == 3 and set(choices.values()) <= set(slices), choices
+    assert all("@" in arch for arch in choices.values())
+    for reply in fed.grid.replies_of("train"):
+        assert len(reply.content.array_records) == 0
+    (record,) = fed.server.rounds
+    assert all(c["test_accuracy"] > 0.2 for c in record["clients"]), record["clients"]
+
+
+@pytest.mark.parametrize(
+    ("like", "match"),
+    [
+        ("nope", "run-config 'local-like': unknown strategy 'nope'"),
+        ("local", "run-config 'local-like' is 'local'; name another scheme"),
+    ],
+)
+def test_local_like_refuses_a_bad_scheme(
+    default_run_config: dict[str, Any], like: str, match: str
+) -> None:
+    from strategies.local import LocalOptions
+
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        LocalOptions.parse({**default_run_config, "local-like": like})
+
+
+def test_local_like_family_follows_the_named_scheme(default_run_config: dict[str, Any]) -> None:
+    from strategies.local import LocalOptions
+
+    local = get_scheme("local")
+    for like, family in (("", "cnn"), ("ensemble", "mixed"), ("heterofl", "preresnet")):
+        options = LocalOptions.parse({**default_run_config, "local-like": like})
+        assert local.family(options) == family, like
 
 
 # ------------------------------------------------------------------------- FedProx maths
