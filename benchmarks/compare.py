@@ -62,6 +62,8 @@ from tessera.compare.metrics import (  # noqa: E402
     FLOOR,
     Partitioning,
     ProtocolError,
+    family_floor,
+    is_floor,
     parse_partitioning,
     run_fields,
 )
@@ -154,8 +156,8 @@ class Cell:
 
     @property
     def key(self) -> str:
-        """Resume key (also the run's folder name)."""
-        return f"{self.label}--{self.partitioning.slug}--seed{self.seed}"
+        """Resume key (also the run's folder name; ``local:fedfa`` -> ``local-like-fedfa``)."""
+        return f"{self.label.replace(':', '-like-')}--{self.partitioning.slug}--seed{self.seed}"
 
 
 def format_value(value: Any) -> str:
@@ -233,8 +235,54 @@ def check_schemes(names: Sequence[str]) -> list[str]:
 
 
 def scheme_config(scheme: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Return the scheme's own run-config: the protocol's, then the user's ``--scheme-set``."""
+    """Return the scheme's own run-config: the protocol's, then the user's ``--scheme-set``.
+
+    A family floor ``local:<scheme>`` is ``local`` with ``local-like=<scheme>`` and the
+    protocol's settings of that scheme (e.g. its normalisation), so its clients build
+    exactly the models the scheme's clients build.
+    """
+    if is_floor(scheme) and scheme != FLOOR:
+        like = scheme.split(":", 1)[1]
+        return {
+            "strategy": FLOOR,
+            "local-like": like,
+            **SCHEME_SETTINGS.get(like, {}),
+            **overrides.get(scheme, {}),
+        }
     return {"strategy": scheme, **SCHEME_SETTINGS.get(scheme, {}), **overrides.get(scheme, {})}
+
+
+def family_floors(
+    settings: Settings, schemes: Sequence[str], overrides: Mapping[str, Mapping[str, Any]]
+) -> dict[str, str]:
+    """Return each scheme's floor: ``local``, or the floor of its own architectures.
+
+    A scheme whose clients pick from the same candidate architectures as ``local``
+    (the ``cnn`` family) is compared with ``local``; any other (sub-model slices, the
+    ensemble's ``mixed`` family) with ``local:<scheme>``, each client alone on what the
+    scheme would give it. Schemes with the same candidates share one floor (NeFL and
+    FedFA slice the same global model the same ways).
+    """
+    from benchmarks.harness import default_run_config
+    from strategies import get_scheme
+    from tessera.config import RunConfig
+
+    base = default_run_config()
+
+    def candidates(name: str) -> tuple[str, ...]:
+        config = {**base, **settings.run_config(), **scheme_config(name, overrides)}
+        scheme = get_scheme(str(config["strategy"]))
+        options = scheme.parse_options(config)
+        run = RunConfig.from_flower(config)
+        family = run.model_family or scheme.family(options)
+        return tuple(scheme.client(run=run, options=options).candidate_archs(family))
+
+    seen = {candidates(FLOOR): FLOOR}
+    return {
+        name: seen.setdefault(candidates(name), family_floor(name))
+        for name in schemes
+        if not is_floor(name)
+    }
 
 
 # --------------------------------------------------------------------- one simulation
@@ -359,6 +407,8 @@ class Comparison:
     out: Path
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     tune: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    floors: dict[str, str] = field(default_factory=dict)
+    """Each scheme's floor (:func:`family_floors`); absent: ``local``."""
     validation_seed: int = 7
     ceiling: bool = True
     timeout: float = 1800.0
@@ -401,7 +451,8 @@ class Comparison:
             "settings": json.loads(json.dumps(self.settings.__dict__, default=str)),
             "fingerprint": self.settings.fingerprint(),
             "schemes": self.schemes,
-            "scheme_run_config": {s: scheme_config(s, self.overrides) for s in self.schemes},
+            "scheme_run_config": {s: scheme_config(s, self.overrides) for s in self.order},
+            "floors": self.floors,
             "partitionings": [p.label for p in self.partitionings],
             "seeds": self.seeds,
             "validation_seed": self.validation_seed if self.tune else None,
@@ -454,17 +505,28 @@ class Comparison:
                 out[key] = max(scored, key=lambda s: s[0])[1]
         return out
 
+    @property
+    def order(self) -> list[str]:
+        """Every scheme the grid runs: ``local``, the family floors, then the schemes."""
+        family = sorted({f for f in self.floors.values() if f != FLOOR})
+        return [FLOOR, *family, *[s for s in self.schemes if not is_floor(s)]]
+
     def cells(self) -> list[Cell]:
-        """Return the reported cells: seed, then partitioning, then scheme (floor first)."""
-        order = [FLOOR, *[s for s in self.schemes if s != FLOOR]]
+        """Return the reported cells: seed, then partitioning, then scheme (floors first).
+
+        A family floor ``local:<scheme>`` takes the values tuned for ``<scheme>`` (e.g.
+        its learning rate), so it trains the same models with the same settings.
+        """
+        order = self.order
         done = self.done() if self.tune else {}  # read once, not once per cell
         cells = []
         for seed in self.seeds:
             for part in self.partitionings:
                 for scheme in order:
+                    tuned = scheme.split(":", 1)[-1]  # "local:fedfa" -> "fedfa"
                     config = {
                         **scheme_config(scheme, self.overrides),
-                        **self.chosen(scheme, part, done),
+                        **self.chosen(tuned, part, done),
                     }
                     cells.append(Cell(scheme, part, seed, tuple(config.items())))
         return cells
@@ -650,13 +712,13 @@ class Comparison:
             f"{CEILING}--{p.slug}--seed{s}" for p in self.partitionings for s in self.seeds
         }
         cells = [r for k, r in self.done().items() if k in wanted]
-        rows = flat_rows(cells)
+        rows = flat_rows(cells, self.floors)
         write_csv(rows, self.out / "results.csv")
         header = _header(self)
-        text = header + markdown_tables(rows, self.schemes)
+        text = header + markdown_tables(rows, self.order)
         (self.out / "leaderboard.md").write_text(text)
         if rows:
-            plot_all(rows, self.schemes, self.out)
+            plot_all(rows, self.order, self.out)
         return self.out / "leaderboard.md"
 
 
@@ -787,6 +849,8 @@ def comparison_from_args(args: argparse.Namespace) -> Comparison:
         extra=parse_assignments(args.set, what="--set"),
     )
     _check_run_config(settings, schemes, overrides)
+    floors = family_floors(settings, schemes, overrides)
+    _check_run_config(settings, sorted(set(floors.values()) - {FLOOR}), overrides)
     slug = args.dataset.replace(":", "-").replace("/", "-")
     out = args.out or ROOT / "results" / "compare" / slug
     return Comparison(
@@ -797,6 +861,7 @@ def comparison_from_args(args: argparse.Namespace) -> Comparison:
         out=out,
         overrides=overrides,
         tune=tune,
+        floors=floors,
         validation_seed=args.validation_seed,
         ceiling=not args.no_ceiling,
         timeout=args.timeout,
@@ -826,7 +891,7 @@ def _check_run_config(
             run = RunConfig.from_flower(config)
             run.validate()
             get_aggregator(run.aggregator)
-            get_scheme(scheme).parse_options(config)
+            get_scheme(str(config["strategy"])).parse_options(config)
         except (ConfigError, ValueError) as err:
             raise ProtocolError(f"scheme {scheme}: {err}") from None
 

@@ -30,7 +30,13 @@ from tessera.compare.metrics import (
     run_fields,
     spread,
 )
-from tessera.compare.report import flat_rows, markdown_tables, plot_all, write_csv
+from tessera.compare.report import (
+    beats_floor_summary,
+    flat_rows,
+    markdown_tables,
+    plot_all,
+    write_csv,
+)
 from tessera.data import PartitionConfig, load_bundle
 
 
@@ -290,6 +296,61 @@ def test_markdown_tables_flag_a_scheme_below_the_floor(tmp_path: Path) -> None:
         "accuracy_by_arch.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_a_scheme_is_judged_against_the_floor_of_its_own_architectures(tmp_path: Path) -> None:
+    # Arrange: "sub" trains other architectures; its floor "local:sub" is stronger
+    cells = []
+    for seed in (0, 1):
+        cells += [
+            _cell("local", seed, 0.50),
+            _cell("local:sub", seed, 0.80),
+            _cell("sub", seed, 0.70),
+            _cell("good", seed, 0.60),
+        ]
+    floors = {"sub": "local:sub", "good": "local"}
+
+    # Execute
+    rows = {(r["scheme"], r["seed"]): r for r in flat_rows(cells, floors)}
+    text = markdown_tables(list(rows.values()), ["good", "sub", "local", "local:sub"])
+
+    # Assert: 0.70 is above local (0.50) but below its own floor (0.80)
+    assert rows[("sub", 0)]["floor"] == "local:sub" and rows[("sub", 0)]["beats_floor"] is False
+    assert rows[("good", 1)]["beats_floor"] is True
+    assert rows[("local:sub", 0)]["beats_floor"] is None
+    sub = next(line for line in text.splitlines() if line.startswith("| sub |"))
+    assert "**not above floor** (-10.0; 0/2 seeds) vs local:sub" in sub
+    assert "| local:sub (floor) | 80.0 ± 0.0 |" in text
+    order = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+    assert order[1:] == ["good", "sub", "local (floor)", "local:sub (floor)"]
+    assert beats_floor_summary(list(rows.values()))["iid"] == {"good": True, "sub": False}
+
+
+def test_family_floors_of_every_scheme() -> None:
+    # Execute
+    comparison = compare.comparison_from_args(compare.build_parser().parse_args([]))
+
+    # Assert: cnn schemes share local; each other candidate set has its own floor
+    floors = comparison.floors
+    for name in ("fedavg", "fedavg-groups", "fedprox", "fedhenn", "felo", "velo", "fedhe"):
+        assert floors[name] == "local", name
+    assert floors["ensemble"] == "local:ensemble"
+    assert floors["heterofl"] == "local:heterofl" and floors["flexifed"] == "local:flexifed"
+    assert floors["fedfa"] == floors["nefl"] == "local:fedfa"  # the same slices
+    assert comparison.order[:5] == [
+        "local",
+        "local:ensemble",
+        "local:fedfa",
+        "local:flexifed",
+        "local:heterofl",
+    ]
+    fedfa_floor = next(c for c in comparison.cells() if c.scheme == "local:fedfa")
+    assert dict(fedfa_floor.config) == {
+        "strategy": "local",
+        "local-like": "fedfa",
+        "norm": "static-batch",
+    }
+    assert fedfa_floor.key == "local-like-fedfa--iid--seed0"
 
 
 # ----------------------------------------------------------------- the ceiling

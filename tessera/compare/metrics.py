@@ -19,6 +19,32 @@ PLATEAU_FRACTION = 0.95
 FLOOR = "local"
 """The scheme every comparison runs as the floor (each client alone)."""
 
+
+def family_floor(scheme: str) -> str:
+    """Return the label of the floor on ``scheme``'s own architectures.
+
+    It is ``local`` run with run-config ``local-like`` set to ``scheme``: each client
+    trains alone on what ``scheme`` would give it (its family, its sub-model slices).
+
+    Examples
+    --------
+    >>> family_floor("fedfa")
+    'local:fedfa'
+    """
+    return f"{FLOOR}:{scheme}"
+
+
+def is_floor(name: str) -> bool:
+    """Return whether ``name`` labels a floor (``local`` or a family floor).
+
+    Examples
+    --------
+    >>> is_floor("local"), is_floor("local:ensemble"), is_floor("fedavg")
+    (True, True, False)
+    """
+    return name == FLOOR or name.startswith(FLOOR + ":")
+
+
 CEILING = "centralised"
 """The label of the ceiling: the same architectures trained on the pooled data."""
 

@@ -16,7 +16,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tessera.compare.metrics import CEILING, FLOOR, beats_floor, ceiling_for, mean_curve, spread
+from tessera.compare.metrics import (
+    CEILING,
+    FLOOR,
+    beats_floor,
+    ceiling_for,
+    is_floor,
+    mean_curve,
+    spread,
+)
 
 CSV_FIELDS = (
     "scheme",
@@ -30,6 +38,7 @@ CSV_FIELDS = (
     "slices",
     "ceiling_personal",
     "ceiling_global",
+    "floor",
     "beats_floor",
     "plateau_personal",
     "plateau_global",
@@ -43,28 +52,33 @@ CSV_FIELDS = (
 )
 
 
-def flat_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def flat_rows(
+    cells: Sequence[Mapping[str, Any]], floors: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
     """One row per (scheme, partitioning, seed), the ceiling rows included.
 
     A scheme's ``ceiling_*`` is the centralised accuracy of its own architectures
     (:func:`~tessera.compare.metrics.ceiling_for`); ``beats_floor`` compares its
-    personalised accuracy with ``local`` of the same partitioning and seed. The
-    ``centralised`` row is the ceiling of the floor's architectures (the fleet's
-    own choice, as ``local`` trains it).
+    personalised accuracy with its floor (``floors[scheme]``, default ``local``: a
+    family floor such as ``local:fedfa`` trains the scheme's own architectures
+    alone) of the same partitioning and seed. The ``centralised`` row is the
+    ceiling of ``local``'s architectures (the fleet's own choice, as ``local``
+    trains it).
     """
+    floors = floors or {}
     central = {
         (c["partitioning"], c["seed"]): c["centralised"] for c in cells if c["kind"] == CEILING
     }
     floor = {
-        (c["partitioning"], c["seed"]): c["fields"]
+        (c["partitioning"], c["seed"], c["scheme"]): c["fields"]
         for c in cells
-        if c["kind"] == "scheme" and c["scheme"] == FLOOR
+        if c["kind"] == "scheme" and is_floor(c["scheme"])
     }
     rows: list[dict[str, Any]] = []
     for c in cells:
         where = (c["partitioning"], c["seed"])
         if c["kind"] == CEILING:
-            base = floor.get(where)
+            base = floor.get((*where, FLOOR))
             if base is None:
                 continue
             personal, glob = ceiling_for(base["client_archs"], base["archs"], c["centralised"])
@@ -78,6 +92,7 @@ def flat_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                     "global": glob,
                     "ceiling_personal": personal,
                     "ceiling_global": glob,
+                    "floor": FLOOR,
                     "beats_floor": None if personal is None else personal > base["personal"],
                     "bytes_up": 0.0,
                     "bytes_down": 0.0,
@@ -97,7 +112,8 @@ def flat_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             if where in central
             else (None, None)
         )
-        base = floor.get(where)
+        own_floor = floors.get(c["scheme"], FLOOR)
+        base = floor.get((*where, own_floor))
         rows.append(
             {
                 "scheme": c["scheme"],
@@ -106,9 +122,10 @@ def flat_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 **{k: f[k] for k in _FIELD_KEYS},
                 "ceiling_personal": ceiling_personal,
                 "ceiling_global": ceiling_global,
+                "floor": None if is_floor(c["scheme"]) else own_floor,
                 "beats_floor": (
                     None
-                    if base is None or c["scheme"] == FLOOR or f["personal"] is None
+                    if base is None or is_floor(c["scheme"]) or f["personal"] is None
                     else f["personal"] > base["personal"]
                 ),
                 "seconds": c["seconds"],
@@ -158,9 +175,10 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
 
 
 def _order(schemes: Sequence[str]) -> list[str]:
-    """Return the schemes in the given order, then the floor and the ceiling."""
-    body = [s for s in schemes if s not in (FLOOR, CEILING)]
-    return [*body, FLOOR, CEILING]
+    """Return the schemes in the given order, then the floors and the ceiling."""
+    body = [s for s in schemes if not is_floor(s) and s != CEILING]
+    family = [s for s in schemes if is_floor(s) and s != FLOOR]
+    return [*body, FLOOR, *family, CEILING]
 
 
 def _group(
@@ -199,12 +217,14 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -
     """
     out: list[str] = []
     for partitioning, by_scheme in _group(rows).items():
-        floor_mean = spread(r["personal"] for r in by_scheme.get(FLOOR, [])).mean
+        floor_means = {
+            s: spread(r["personal"] for r in rs).mean for s, rs in by_scheme.items() if is_floor(s)
+        }
         seeds = sorted({r["seed"] for rs in by_scheme.values() for r in rs})
         out.append(f"### {partitioning} ({len(seeds)} seeds: {', '.join(map(str, seeds))})\n")
         out.append(
             "| scheme | personalised % | global % | ensemble % | ceiling (own archs) % "
-            "| vs floor (local) | bytes / client-round | plateau round (95 %) | archs |"
+            "| vs own floor | bytes / client-round | plateau round (95 %) | archs |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|")
         for scheme in _order(schemes):
@@ -213,14 +233,26 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -
                 continue
             personal = spread(r["personal"] for r in rs)
             ceiling = spread(r.get("ceiling_personal") for r in rs)
+            own_floor = str(rs[0].get("floor") or FLOOR)
             vs_floor = (
                 "floor"
-                if scheme == FLOOR
-                else _floor_text([r.get("beats_floor") for r in rs], personal.mean, floor_mean)
+                if is_floor(scheme)
+                else "-"
+                if scheme == CEILING
+                else _floor_text(
+                    [r.get("beats_floor") for r in rs], personal.mean, floor_means.get(own_floor)
+                )
+                + ("" if own_floor == FLOOR else f" vs {own_floor}")
             )
             plateau = spread(r.get("plateau_personal") for r in rs)
             archs = sorted({a for r in rs for a in r.get("archs") or []})
-            label = {FLOOR: "local (floor)", CEILING: "centralised (ceiling)"}.get(scheme, scheme)
+            label = (
+                f"{scheme} (floor)"
+                if is_floor(scheme)
+                else "centralised (ceiling)"
+                if scheme == CEILING
+                else scheme
+            )
             out.append(
                 f"| {label} | {personal.text()} | {spread(r.get('global') for r in rs).text()} "
                 f"| {spread(r.get('ensemble') for r in rs).text()} "
@@ -252,14 +284,16 @@ def _slice_lines(
 
 
 def beats_floor_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, bool | None]]:
-    """Per partitioning, per scheme: whether its mean personalised accuracy beats ``local``."""
+    """Per partitioning, per scheme: whether its mean personalised accuracy beats its floor."""
     out: dict[str, dict[str, bool | None]] = {}
     for partitioning, by_scheme in _group(rows).items():
-        floor = [r["personal"] for r in by_scheme.get(FLOOR, [])]
         out[partitioning] = {
-            s: beats_floor([r["personal"] for r in rs], floor)
+            s: beats_floor(
+                [r["personal"] for r in rs],
+                [r["personal"] for r in by_scheme.get(str(rs[0].get("floor") or FLOOR), [])],
+            )
             for s, rs in by_scheme.items()
-            if s != FLOOR
+            if not is_floor(s) and s != CEILING
         }
     return out
 
@@ -294,9 +328,9 @@ def plot_all(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str], folder: 
             ax.plot(
                 xs,
                 mean,
-                ls=":" if scheme == FLOOR else "-",
+                ls=":" if is_floor(scheme) else "-",
                 color=colour,
-                label=scheme if scheme != FLOOR else "local (floor)",
+                label=f"{scheme} (floor)" if is_floor(scheme) else scheme,
             )
             lo = [m - s for m, s in zip(mean, std, strict=True)]
             hi = [m + s for m, s in zip(mean, std, strict=True)]
@@ -315,7 +349,7 @@ def plot_all(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str], folder: 
     for ax, part in zip(axes[0], parts, strict=True):
         for scheme in order:
             rs = groups[part].get(scheme)
-            if not rs or scheme in (CEILING, FLOOR):
+            if not rs or scheme == CEILING or is_floor(scheme):
                 continue
             acc = spread(r["personal"] for r in rs)
             size = spread(r["bytes"] for r in rs)
