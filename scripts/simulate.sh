@@ -44,7 +44,8 @@ run_flower() {
 }
 # Ray occasionally fails to bring its raylet up within its fixed 30 s ("The current
 # node timed out during startup"), seen on busy and on idle 2-core machines alike.
-# That is a start-up failure before any round ran: retry (up to 3 attempts), and say so.
+# That is a start-up failure before any round ran: retry (up to 4 attempts, waiting
+# 10, 20, 30 s between them), and say so with the machine's state.
 ray_start_failed() {
     [ ! -s "$OUTPUT_DIR/$RUN_NAME/metrics.jsonl" ] \
         && grep -qE "timed out during startup|logs/gcs_server.err" "$LOG" \
@@ -68,10 +69,11 @@ ray_start_diagnostics() {
 }
 # Give the GCS a minute to answer (Ray's default is 20 one-second tries).
 export RAY_NUM_REDIS_GET_RETRIES="${RAY_NUM_REDIS_GET_RETRIES:-60}"
-for attempt in 1 2 3; do
+ATTEMPTS=4
+for attempt in $(seq 1 "$ATTEMPTS"); do
     run_flower
-    if [ "$attempt" -lt 3 ] && ray_start_failed; then
-        echo "simulate.sh: Ray failed to start (attempt $attempt of 3); retrying the run" >&2
+    if [ "$attempt" -lt "$ATTEMPTS" ] && ray_start_failed; then
+        echo "simulate.sh: Ray failed to start (attempt $attempt of $ATTEMPTS); retrying the run" >&2
         ray_start_diagnostics
         stop_local_superlink "$FLWR_HOME"
         rm -rf "${OUTPUT_DIR:?}/$RUN_NAME"
@@ -82,7 +84,7 @@ for attempt in 1 2 3; do
     break
 done
 if ray_start_failed; then
-    echo "simulate.sh: Ray failed to start in 3 attempts; see $LOG" >&2
+    echo "simulate.sh: Ray failed to start in $ATTEMPTS attempts; see $LOG" >&2
     ray_start_diagnostics
 fi
 python -m tessera.report "$OUTPUT_DIR/$RUN_NAME"
