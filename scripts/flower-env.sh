@@ -14,8 +14,11 @@ free_port() {
 
 # Stop the local SuperLink that `flwr run` starts in the background for simulation
 # (it outlives the command), with everything it spawned.
+# pgrep/pkill read a pattern as a regular expression: escape the folder's name
+# (a run name such as 'ensemble[learning-rate=0.05]--iid' holds brackets).
 stop_local_superlink() {
-    local home="$1" pids pid
+    local home pids pid
+    home="$(printf '%s' "$1" | sed 's/[][\\.*^$+?(){}|]/\\&/g')"
     pids="$(pgrep -f "flower-superlink.*${home}" || true)"
     for pid in $pids; do
         kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
