@@ -366,23 +366,30 @@ def _write_npz(path: Path) -> Path:
     return path
 
 
-def test_ceiling_pools_exactly_the_clients_training_splits(tmp_path: Path) -> None:
-    from tessera.data import client_data
-
-    dataset = f"npz:{_write_npz(tmp_path / 'd.npz')}"
-    part = PartitionConfig(scheme="dirichlet", alpha=0.5, seed=3)
-    settings = CeilingSettings(
-        dataset=dataset,
+def _ceiling_settings(
+    tmp_path: Path, part: PartitionConfig, *, num_partitions: int, epochs: int
+) -> CeilingSettings:
+    """The leaderboard's SGD settings on a small npz copy of digits."""
+    return CeilingSettings(
+        dataset=f"npz:{_write_npz(tmp_path / 'd.npz')}",
         partition=part,
-        num_partitions=4,
+        num_partitions=num_partitions,
         pool_fraction=0.1,
         test_fraction=0.2,
-        epochs=4,
+        epochs=epochs,
         batch_size=32,
         learning_rate=0.05,
         momentum=0.9,
         weight_decay=0.0,
     )
+
+
+def test_ceiling_pools_exactly_the_clients_training_splits(tmp_path: Path) -> None:
+    from tessera.data import client_data
+
+    part = PartitionConfig(scheme="dirichlet", alpha=0.5, seed=3)
+    settings = _ceiling_settings(tmp_path, part, num_partitions=4, epochs=4)
+    dataset = settings.dataset
     pooled, tests, server_test, classes, shape = pooled_data(settings)
     expected = [
         client_data(
@@ -426,17 +433,8 @@ def test_ceiling_halves_the_learning_rate_where_the_loss_diverges(
 
         return train
 
-    settings = CeilingSettings(
-        dataset=f"npz:{_write_npz(tmp_path / 'd.npz')}",
-        partition=PartitionConfig(scheme="iid", seed=0),
-        num_partitions=2,
-        pool_fraction=0.1,
-        test_fraction=0.2,
-        epochs=1,
-        batch_size=32,
-        learning_rate=0.05,
-        momentum=0.9,
-        weight_decay=0.0,
+    settings = _ceiling_settings(
+        tmp_path, PartitionConfig(scheme="iid", seed=0), num_partitions=2, epochs=1
     )
     assert ceiling_learning_rates(0.05) == [0.05, 0.025, 0.0125]
 
