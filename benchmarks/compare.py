@@ -788,6 +788,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--validation-seed", type=int, default=7)
     p.add_argument("--no-ceiling", action="store_true", help="skip the centralised ceiling")
+    p.add_argument(
+        "--no-family-floors",
+        action="store_true",
+        help="judge every scheme against local on the cnn family (no local:<scheme> runs)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per simulation")
     p.add_argument("--parallel", type=int, default=1, help="simulations at once")
     p.add_argument("--out", type=Path, default=None, help="results folder")
@@ -849,7 +854,7 @@ def comparison_from_args(args: argparse.Namespace) -> Comparison:
         extra=parse_assignments(args.set, what="--set"),
     )
     _check_run_config(settings, schemes, overrides)
-    floors = family_floors(settings, schemes, overrides)
+    floors = {} if args.no_family_floors else family_floors(settings, schemes, overrides)
     _check_run_config(settings, sorted(set(floors.values()) - {FLOOR}), overrides)
     slug = args.dataset.replace(":", "-").replace("/", "-")
     out = args.out or ROOT / "results" / "compare" / slug

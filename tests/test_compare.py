@@ -351,6 +351,8 @@ def test_family_floors_of_every_scheme() -> None:
         "norm": "static-batch",
     }
     assert fedfa_floor.key == "local-like-fedfa--iid--seed0"
+    plain = compare.comparison_from_args(compare.build_parser().parse_args(["--no-family-floors"]))
+    assert plain.floors == {} and plain.order[:2] == ["local", "ensemble"]
 
 
 # ----------------------------------------------------------------- the ceiling
