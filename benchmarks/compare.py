@@ -659,49 +659,46 @@ class Comparison:
                     continue
                 self.log(f"  ceiling {part.label} seed {seed}: {len(missing)} architectures")
                 s = self.settings
-                tick = time.monotonic()
-                try:
-                    have.update(
-                        train_centralised(
-                            CeilingSettings(
-                                dataset=s.dataset,
-                                partition=PartitionConfig(
-                                    scheme=part.scheme,
-                                    alpha=part.alpha,
-                                    classes_per_client=part.classes,
-                                    seed=seed,
-                                ),
-                                num_partitions=s.nodes,
-                                pool_fraction=s.server_pool_fraction,
-                                test_fraction=s.local_test_fraction,
-                                epochs=s.rounds * s.local_epochs,
-                                batch_size=s.batch_size,
-                                learning_rate=s.learning_rate,
-                                momentum=s.momentum,
-                                weight_decay=s.weight_decay,
-                                norm=str(s.extra.get("norm", "batch")),
-                                flat_input=str(s.extra.get("flat-input", "signal")),
-                            ),
-                            missing,
-                            seed=seed,
-                            log=self.log,
-                        )
-                    )
-                except (ValueError, RuntimeError) as err:
-                    self.log(f"    FAILED: {err}")
-                    failed.append(key)
-                    continue
-                self._append(
-                    {
-                        "key": key,
-                        "kind": CEILING,
-                        "scheme": CEILING,
-                        "partitioning": part.label,
-                        "seed": seed,
-                        "centralised": have,
-                        "seconds": round(time.monotonic() - tick, 1),
-                    }
+                ceiling = CeilingSettings(
+                    dataset=s.dataset,
+                    partition=PartitionConfig(
+                        scheme=part.scheme,
+                        alpha=part.alpha,
+                        classes_per_client=part.classes,
+                        seed=seed,
+                    ),
+                    num_partitions=s.nodes,
+                    pool_fraction=s.server_pool_fraction,
+                    test_fraction=s.local_test_fraction,
+                    epochs=s.rounds * s.local_epochs,
+                    batch_size=s.batch_size,
+                    learning_rate=s.learning_rate,
+                    momentum=s.momentum,
+                    weight_decay=s.weight_decay,
+                    norm=str(s.extra.get("norm", "batch")),
+                    flat_input=str(s.extra.get("flat-input", "signal")),
                 )
+                seconds = float(done.get(key, {}).get("seconds", 0.0))
+                for arch in missing:  # recorded one by one: a stop loses one architecture
+                    tick = time.monotonic()
+                    try:
+                        have.update(train_centralised(ceiling, [arch], seed=seed, log=self.log))
+                    except (ValueError, RuntimeError) as err:
+                        self.log(f"    FAILED {arch}: {err}")
+                        failed.append(f"{key}:{arch}")
+                        continue
+                    seconds += time.monotonic() - tick
+                    self._append(
+                        {
+                            "key": key,
+                            "kind": CEILING,
+                            "scheme": CEILING,
+                            "partitioning": part.label,
+                            "seed": seed,
+                            "centralised": dict(have),
+                            "seconds": round(seconds, 1),
+                        }
+                    )
         return failed
 
     def report(self) -> Path:
