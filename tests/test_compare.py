@@ -326,6 +326,14 @@ def test_a_scheme_is_judged_against_the_floor_of_its_own_architectures(tmp_path:
     assert beats_floor_summary(list(rows.values()))["iid"] == {"good": True, "sub": False}
 
 
+def test_floor_verdict_pairs_seeds_and_leaves_out_a_seed_without_a_floor() -> None:
+    # seed 0: 0.70 vs 0.60; seed 1: 0.90 but no floor run yet
+    cells = [_cell("local:sub", 0, 0.60), _cell("sub", 0, 0.70), _cell("sub", 1, 0.90)]
+    text = markdown_tables(flat_rows(cells, {"sub": "local:sub"}), ["sub", "local:sub"])
+    sub = next(line for line in text.splitlines() if line.startswith("| sub |"))
+    assert "above floor (+10.0; 1/1 seeds) vs local:sub" in sub  # not 80.0 - 60.0
+
+
 def test_family_floors_of_every_scheme() -> None:
     # Execute
     comparison = compare.comparison_from_args(compare.build_parser().parse_args([]))

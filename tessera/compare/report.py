@@ -198,12 +198,20 @@ def _bytes_text(value: float | None) -> str:
     return f"{value / 1e3:.1f} kB"
 
 
-def _floor_text(flags: Sequence[Any], personal: float | None, floor: float | None) -> str:
-    if personal is None or floor is None:
+def _floor_text(rows: Sequence[Mapping[str, Any]], floor: Sequence[Mapping[str, Any]]) -> str:
+    """Return the verdict against the floor, paired by seed (seeds without both left out)."""
+    by_seed = {f["seed"]: f["personal"] for f in floor if f.get("personal") is not None}
+    pairs = [
+        (r["personal"], by_seed[r["seed"]])
+        for r in rows
+        if r.get("personal") is not None and r["seed"] in by_seed
+    ]
+    if not pairs:
         return "-"
-    wins = sum(1 for f in flags if f)
-    verdict = "above floor" if personal > floor else "**not above floor**"
-    return f"{verdict} ({100 * (personal - floor):+.1f}; {wins}/{len(flags)} seeds)"
+    diff = sum(p - f for p, f in pairs) / len(pairs)
+    wins = sum(1 for p, f in pairs if p > f)
+    verdict = "above floor" if diff > 0 else "**not above floor**"
+    return f"{verdict} ({100 * diff:+.1f}; {wins}/{len(pairs)} seeds)"
 
 
 def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -> str:
@@ -217,9 +225,6 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -
     """
     out: list[str] = []
     for partitioning, by_scheme in _group(rows).items():
-        floor_means = {
-            s: spread(r["personal"] for r in rs).mean for s, rs in by_scheme.items() if is_floor(s)
-        }
         seeds = sorted({r["seed"] for rs in by_scheme.values() for r in rs})
         out.append(f"### {partitioning} ({len(seeds)} seeds: {', '.join(map(str, seeds))})\n")
         out.append(
@@ -239,9 +244,7 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -
                 if is_floor(scheme)
                 else "-"
                 if scheme == CEILING
-                else _floor_text(
-                    [r.get("beats_floor") for r in rs], personal.mean, floor_means.get(own_floor)
-                )
+                else _floor_text(rs, by_scheme.get(own_floor, []))
                 + ("" if own_floor == FLOOR else f" vs {own_floor}")
             )
             plateau = spread(r.get("plateau_personal") for r in rs)
