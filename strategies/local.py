@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from models.base import TesseraModel
 from strategies.base import HeteroStrategy
 from strategies.client import ClientAlgorithm
 from strategies.registry import Scheme, SchemeError, get_scheme, register_scheme
@@ -91,7 +92,9 @@ class LocalClient(ClientAlgorithm):
             return super().candidate_archs(family)
         return self.like.candidate_archs(family)
 
-    def build_model(self, arch: str, *, input_shape: tuple[int, ...], num_classes: int) -> Any:
+    def build_model(
+        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+    ) -> TesseraModel:
         """Build ``arch`` as the ``local-like`` scheme does, else as the zoo does."""
         if self.like is None:
             return super().build_model(arch, input_shape=input_shape, num_classes=num_classes)
