@@ -19,6 +19,7 @@ from strategies.registry import Scheme, SchemeError, get_scheme, register_scheme
 from tessera.config import ConfigError, ConfigReader, RunConfig
 
 NAME = "local"
+DEFAULT_FAMILY = "cnn"
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class LocalOptions:
 
     def family(self) -> str:
         """Return the architecture family when run-config ``model-family`` is empty."""
-        return "cnn" if self.like is None else get_scheme(self.like).family(self.like_options)
+        if self.like is None:
+            return DEFAULT_FAMILY
+        return get_scheme(self.like).family(self.like_options)
 
 
 class LocalStrategy(HeteroStrategy):
@@ -107,7 +110,7 @@ SCHEME = register_scheme(
         server=LocalStrategy,
         client=LocalClient,
         parse_options=LocalOptions.parse,
-        default_family="cnn",
+        default_family=DEFAULT_FAMILY,
         description="each client trains alone on its own architecture (no communication)",
         family_of=LocalOptions.family,
     )
