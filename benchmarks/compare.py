@@ -543,9 +543,11 @@ class Comparison:
                 for part in self.partitionings:
                     self.log(f"  {scheme} on {part.label}: chose {self.chosen(scheme, part)}")
         cells = self.cells()
-        failed += self._run_cells(cells)
-        if self.ceiling:
-            failed += self._run_ceilings()
+        for seed in self.seeds:  # a seed's ceilings as soon as its runs are in
+            self.log(f"seed {seed}:")
+            failed += self._run_cells([c for c in cells if c.seed == seed])
+            if self.ceiling:
+                failed += self._run_ceilings([seed])
         return failed
 
     def pending(self, cells: Sequence[Cell]) -> list[Cell]:
@@ -633,13 +635,13 @@ class Comparison:
             pool.shutdown()
         return failed
 
-    def _run_ceilings(self) -> list[str]:
+    def _run_ceilings(self, seeds: Sequence[int]) -> list[str]:
         """Train, per partitioning and seed, every architecture its runs trained."""
         from tessera.compare.ceiling import CeilingSettings, train_centralised
         from tessera.data import PartitionConfig
 
         failed = []
-        for seed in self.seeds:
+        for seed in seeds:
             for part in self.partitionings:
                 done = self.done()
                 key = f"{CEILING}--{part.slug}--seed{seed}"

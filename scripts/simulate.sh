@@ -6,6 +6,8 @@
 #
 # Defaults: 6 simulated nodes emulating a mixed fleet (run-config
 # sim-device-profiles), the scheme and data in pyproject.toml [tool.flwr.app.config].
+# Environment: FLWR_HOME_SIM (Flower's home), SIMULATE_RETRY_WAIT (seconds, times the
+# attempt, between start attempts; 10), TESSERA_FLWR (the flwr command; tests).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -19,7 +21,7 @@ while [ $# -gt 0 ]; do
         --run-config) RUN_CONFIG="$2"; shift 2 ;;
         --run-name) RUN_NAME="$2"; shift 2 ;;
         --output-dir) OUTPUT_DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
         *) echo "simulate.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -37,7 +39,7 @@ trap 'stop_local_superlink "$FLWR_HOME"' EXIT INT TERM
 LOG="$FLWR_HOME/$RUN_NAME.log"
 run_flower() {
     set +e
-    flwr run . --stream \
+    "${TESSERA_FLWR:-flwr}" run . --stream \
         --federation-config "num-supernodes=$NODES client-resources-num-cpus=1" \
         --run-config "$RUN_CONFIG output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'" 2>&1 | tee "$LOG"
     set -e
@@ -45,9 +47,13 @@ run_flower() {
 # Ray occasionally fails to bring its raylet up within its fixed 30 s ("The current
 # node timed out during startup"), seen on busy and on idle 2-core machines alike.
 # That is a start-up failure before any round ran: retry (up to 4 attempts, waiting
-# 10, 20, 30 s between them), and say so with the machine's state.
+# 10, 20, 30 s between them), and say so with the machine's state. A resumed run
+# already has rounds in its folder: what counts is whether this attempt added one,
+# and a retry puts the folder back as it was before the first attempt.
+METRICS="$OUTPUT_DIR/$RUN_NAME/metrics.jsonl"
+metrics_lines() { if [ -f "$METRICS" ]; then wc -l < "$METRICS"; else echo 0; fi; }
 ray_start_failed() {
-    [ ! -s "$OUTPUT_DIR/$RUN_NAME/metrics.jsonl" ] \
+    [ "$(metrics_lines)" -le "$LINES_BEFORE" ] \
         && grep -qE "timed out during startup|logs/gcs_server.err" "$LOG" \
         && ! grep -q "ServerApp thread raised an exception" "$LOG"
 }
@@ -69,6 +75,10 @@ ray_start_diagnostics() {
 }
 # Give the GCS a minute to answer (Ray's default is 20 one-second tries).
 export RAY_NUM_REDIS_GET_RETRIES="${RAY_NUM_REDIS_GET_RETRIES:-60}"
+LINES_BEFORE="$(metrics_lines)"
+BEFORE="$FLWR_HOME/$RUN_NAME.before"
+rm -rf "$BEFORE"
+if [ -d "$OUTPUT_DIR/$RUN_NAME" ]; then cp -a "$OUTPUT_DIR/$RUN_NAME" "$BEFORE"; fi
 ATTEMPTS=4
 for attempt in $(seq 1 "$ATTEMPTS"); do
     run_flower
@@ -77,14 +87,17 @@ for attempt in $(seq 1 "$ATTEMPTS"); do
         ray_start_diagnostics
         stop_local_superlink "$FLWR_HOME"
         rm -rf "${OUTPUT_DIR:?}/$RUN_NAME"
+        if [ -d "$BEFORE" ]; then cp -a "$BEFORE" "$OUTPUT_DIR/$RUN_NAME"; fi
         FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
-        sleep $((attempt * 10))
+        sleep $((attempt * ${SIMULATE_RETRY_WAIT:-10}))
         continue
     fi
     break
 done
+rm -rf "$BEFORE"
 if ray_start_failed; then
-    echo "simulate.sh: Ray failed to start in $ATTEMPTS attempts; see $LOG" >&2
+    echo "simulate.sh: Ray failed to start in $ATTEMPTS attempts; no round ran; see $LOG" >&2
     ray_start_diagnostics
+    exit 1
 fi
 python -m tessera.report "$OUTPUT_DIR/$RUN_NAME"

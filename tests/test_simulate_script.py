@@ -1,0 +1,121 @@
+"""``scripts/simulate.sh``'s retry when Ray will not start, with a stand-in ``flwr``.
+
+Ray's start-up failure cannot be caused on demand, so these tests put a stand-in for
+the ``flwr`` command (``TESSERA_FLWR``) in front of the real script: it plays the
+log line Ray prints when its node times out, or a run that appends rounds. The real
+runs through Ray are in ``test_simulation.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_FLWR = """#!{python}
+import json, os, sys
+from pathlib import Path
+
+plan = Path(os.environ["FAKE_PLAN"])
+steps = plan.read_text().split()
+step, rest = steps[0], steps[1:]
+plan.write_text(" ".join(rest))
+run = Path(os.environ["FAKE_RUN"])
+target = int(os.environ["FAKE_ROUNDS"])
+if step == "fail":
+    # what Ray prints when its raylet does not come up; the run damaged nothing
+    # on purpose except the checkpoint, which a retry must put back
+    print("The current node timed out during startup. logs/gcs_server.err")
+    (run / "checkpoint.npz").unlink(missing_ok=True)
+    sys.exit(1)
+metrics = run / "metrics.jsonl"
+have = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+if have and not (run / "checkpoint.npz").exists():
+    print("resume: no checkpoint.npz in the run folder")
+    sys.exit(1)
+run.mkdir(parents=True, exist_ok=True)
+row = dict(num_ok=3, num_sent=3, num_rejected=0, num_failed=0, bytes_up_total=0,
+           bytes_down_total=0, round_seconds=0.1)
+with metrics.open("a") as fh:
+    for r in range(have + 1, target + 1):
+        fh.write(json.dumps(dict(row, round=r)) + "\\n")
+(run / "config.json").write_text(json.dumps({{"run_config": {{"num-server-rounds": target}}}}))
+(run / "summary.json").write_text(json.dumps({{"rounds": target}}))
+(run / "checkpoint.npz").write_text("round " + str(target))
+"""
+
+
+def _run(tmp_path: Path, plan: str, rounds: int) -> subprocess.CompletedProcess[str]:
+    """Run the real script with the stand-in ``flwr`` playing ``plan`` (one step per attempt)."""
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable))
+    fake.chmod(0o755)
+    (tmp_path / "plan").write_text(plan)
+    out = tmp_path / "results"
+    env = {
+        **os.environ,
+        "TESSERA_FLWR": str(fake),
+        "FAKE_PLAN": str(tmp_path / "plan"),
+        "FAKE_RUN": str(out / "e2e"),
+        "FAKE_ROUNDS": str(rounds),
+        "FLWR_HOME_SIM": str(tmp_path / "flwr-home"),
+        "SIMULATE_RETRY_WAIT": "0",
+    }
+    cmd = ["bash", "scripts/simulate.sh", "--run-name", "e2e", "--output-dir", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _rounds(tmp_path: Path) -> list[int]:
+    lines = (tmp_path / "results" / "e2e" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["round"] for line in lines]
+
+
+def test_a_fresh_run_whose_ray_does_not_start_is_retried(tmp_path: Path) -> None:
+    # Execute: Ray fails twice, then the run goes through
+    proc = _run(tmp_path, "fail fail ok", rounds=2)
+
+    # Assert
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Ray failed to start (attempt 1 of 4)" in proc.stderr
+    assert "Ray failed to start (attempt 2 of 4)" in proc.stderr
+    assert "machine state after Ray failed to start" in proc.stderr
+    assert _rounds(tmp_path) == [1, 2]
+
+
+def test_a_resumed_run_whose_ray_does_not_start_is_retried_from_its_folder(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a run folder that finished rounds 1 and 2 (the state a resume reads)
+    run = tmp_path / "results" / "e2e"
+    run.mkdir(parents=True)
+    row = {"num_ok": 3, "num_sent": 3, "num_rejected": 0, "num_failed": 0}
+    row |= {"bytes_up_total": 0, "bytes_down_total": 0, "round_seconds": 0.1}
+    lines = [json.dumps(row | {"round": r}) + "\n" for r in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(lines))
+    (run / "checkpoint.npz").write_text("round 2")
+
+    # Execute: the resumed run's first attempt fails to start Ray (and loses the
+    # checkpoint); the second resumes to round 4
+    proc = _run(tmp_path, "fail ok", rounds=4)
+
+    # Assert: retried (rounds already in the folder did not hide the failure), from
+    # the folder as it was, so rounds 3 and 4 ran once
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Ray failed to start (attempt 1 of 4)" in proc.stderr
+    assert _rounds(tmp_path) == [1, 2, 3, 4]
+    assert (run / "checkpoint.npz").read_text() == "round 4"
+    assert not (tmp_path / "flwr-home" / "e2e.before").exists()
+
+
+def test_ray_that_never_starts_fails_the_script_with_the_reason(tmp_path: Path) -> None:
+    # Execute
+    proc = _run(tmp_path, "fail fail fail fail", rounds=2)
+
+    # Assert: a non-zero status and the reason, not a report of an empty run
+    assert proc.returncode == 1
+    assert "Ray failed to start in 4 attempts; no round ran" in proc.stderr
+    assert "Ray failed to start (attempt 3 of 4)" in proc.stderr
