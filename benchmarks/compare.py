@@ -159,6 +159,19 @@ class Cell:
         """Resume key (also the run's folder name; ``local:fedfa`` -> ``local-like-fedfa``)."""
         return f"{self.label.replace(':', '-like-')}--{self.partitioning.slug}--seed{self.seed}"
 
+    def row(self, fields: Mapping[str, Any], seconds: float) -> dict[str, Any]:
+        """Return the ``cells.jsonl`` record of this cell, finished with ``fields``."""
+        return {
+            "key": self.key,
+            "kind": "scheme",
+            "scheme": self.label,
+            "partitioning": self.partitioning.label,
+            "seed": self.seed,
+            "run_config": dict(self.config),
+            "fields": dict(fields),
+            "seconds": round(seconds, 1),
+        }
+
 
 def format_value(value: Any) -> str:
     """Write a run-config value as Flower's ``--run-config`` parses it (TOML)."""
@@ -596,18 +609,8 @@ class Comparison:
                     failed.append(cell.key)
                 return
             seconds = time.monotonic() - tick
-            row = {
-                "key": cell.key,
-                "kind": "scheme",
-                "scheme": cell.label,
-                "partitioning": cell.partitioning.label,
-                "seed": cell.seed,
-                "run_config": dict(cell.config),
-                "fields": fields,
-                "seconds": round(seconds, 1),
-            }
             with lock:
-                self._append(row)
+                self._append(cell.row(fields, seconds))
                 finished += 1
                 left = (time.monotonic() - started) / finished * (len(todo) - finished)
                 glob = fields["global"]

@@ -584,18 +584,7 @@ def test_a_finished_cell_with_another_run_config_runs_again(tmp_path: Path) -> N
     fedhenn = next(c for c in cells if c.scheme == "fedhenn")
     floor = next(c for c in cells if c.scheme == compare.FLOOR)
     for cell in (fedhenn, floor):
-        comparison._append(
-            {
-                "key": cell.key,
-                "kind": "scheme",
-                "scheme": cell.label,
-                "partitioning": cell.partitioning.label,
-                "seed": cell.seed,
-                "run_config": dict(cell.config),
-                "fields": {"personal": 0.5},
-                "seconds": 0.0,
-            }
-        )
+        comparison._append(cell.row({"personal": 0.5}, seconds=0.0))
     assert comparison.pending(cells) == []
     retuned = compare.Cell(
         fedhenn.scheme, fedhenn.partitioning, fedhenn.seed, (("strategy", "fedhenn"), ("eta0", 1.0))
