@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import mean_std
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -192,15 +194,6 @@ def simulate(run: Run, *, rounds: int, nodes: int, out: Path, home: Path) -> dic
         flush=True,
     )
     return summary
-
-
-def mean_std(values: list[float]) -> str:
-    """``mean ± std`` (population std over seeds), in percent."""
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    std = statistics.pstdev(values) if len(values) > 1 else 0.0
-    return f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
 def print_accuracy(summaries: list[dict[str, Any]], args: argparse.Namespace) -> None:

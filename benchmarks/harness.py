@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -189,8 +188,6 @@ def run_cells(
 
 def mean_std(values: Sequence[float | None]) -> str:
     """Return ``mean ± std`` in percent (population std over seeds), ``-`` when empty."""
-    kept = [v for v in values if v is not None]
-    if not kept:
-        return "-"
-    std = statistics.pstdev(kept) if len(kept) > 1 else 0.0
-    return f"{100 * statistics.fmean(kept):.1f} ± {100 * std:.1f}"
+    from tessera.compare.metrics import spread
+
+    return spread(values).text()
