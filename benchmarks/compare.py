@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +62,12 @@ from tessera.compare.metrics import (  # noqa: E402
     FLOOR,
     Partitioning,
     ProtocolError,
+    ceiling_key,
     family_floor,
     is_floor,
     parse_partitioning,
     run_fields,
+    run_learning_rate,
 )
 from tessera.report import load_run  # noqa: E402
 
@@ -656,10 +658,14 @@ class Comparison:
                     and r["seed"] == seed
                     and "[" not in r["scheme"]
                 ]
-                archs = {a for r in runs for a in r["fields"]["archs"]}
-                archs |= {a for r in runs for a in r["fields"]["global_by_arch"]}
+                # each architecture at the rate its run trained it (a scheme's own, or the common)
+                archs: dict[str, tuple[str, float | None]] = {}
+                for r in runs:
+                    rate = run_learning_rate(r.get("run_config", {}))
+                    for a in {*r["fields"]["archs"], *r["fields"]["global_by_arch"]}:
+                        archs[ceiling_key(a, rate)] = (a, rate)
                 have = dict(done.get(key, {}).get("centralised", {}))
-                missing = sorted(archs - set(have))
+                missing = sorted(set(archs) - set(have))
                 if not missing:
                     continue
                 self.log(f"  ceiling {part.label} seed {seed}: {len(missing)} architectures")
@@ -684,13 +690,15 @@ class Comparison:
                     flat_input=str(s.extra.get("flat-input", "signal")),
                 )
                 seconds = float(done.get(key, {}).get("seconds", 0.0))
-                for arch in missing:  # recorded one by one: a stop loses one architecture
+                for name in missing:  # recorded one by one: a stop loses one architecture
+                    arch, rate = archs[name]
+                    at = ceiling if rate is None else replace(ceiling, learning_rate=rate)
                     tick = time.monotonic()
                     try:
-                        have.update(train_centralised(ceiling, [arch], seed=seed, log=self.log))
+                        have[name] = train_centralised(at, [arch], seed=seed, log=self.log)[arch]
                     except (ValueError, RuntimeError) as err:
-                        self.log(f"    FAILED {arch}: {err}")
-                        failed.append(f"{key}:{arch}")
+                        self.log(f"    FAILED {name}: {err}")
+                        failed.append(f"{key}:{name}")
                         continue
                     seconds += time.monotonic() - tick
                     self._append(

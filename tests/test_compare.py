@@ -24,6 +24,7 @@ from tessera.compare.metrics import (
     beats_floor,
     bytes_per_client_round,
     ceiling_for,
+    ceiling_key,
     mean_curve,
     parse_partitioning,
     plateau_round,
@@ -193,6 +194,26 @@ def test_ceiling_for_matches_each_client_to_its_architecture() -> None:
     assert ceiling_for({"0": "vgg"}, ["vgg"], central) == (None, None)
 
 
+def test_a_run_with_its_own_learning_rate_gets_the_ceiling_at_that_rate() -> None:
+    # Arrange: cnn-5 trained centrally at the common rate and at 0.01
+    central = {
+        "cnn-5": {"personal": {"0": 0.9}, "global": 0.9},
+        "cnn-5 lr=0.01": {"personal": {"0": 0.6}, "global": 0.5},
+    }
+    cell = _cell("tuned", 0, 0.7, global_by_arch={"cnn-5": 0.4})
+    cell["run_config"] = {"strategy": "tuned", "learning-rate": 0.01}
+    ceiling = {**_central(0), "centralised": central}
+
+    # Execute
+    rows = {r["scheme"]: r for r in flat_rows([cell, ceiling])}
+
+    # Assert: the 0.01 entry, not the common one; a rate with no entry: no ceiling
+    assert ceiling_key("cnn-5", 0.01) == "cnn-5 lr=0.01" and ceiling_key("cnn-5") == "cnn-5"
+    assert ceiling_for({"0": "cnn-5"}, ["cnn-5"], central, 0.01) == (0.6, 0.5)
+    assert rows["tuned"]["ceiling_global"] == pytest.approx(0.5)
+    assert ceiling_for({"0": "cnn-5"}, ["cnn-5"], central, 0.02) == (None, None)
+
+
 # ----------------------------------------------------------------- report
 def _cell(scheme: str, seed: int, personal: float, **fields: Any) -> dict[str, Any]:
     base = run_fields(
@@ -332,6 +353,19 @@ def test_floor_verdict_pairs_seeds_and_leaves_out_a_seed_without_a_floor() -> No
     text = markdown_tables(flat_rows(cells, {"sub": "local:sub"}), ["sub", "local:sub"])
     sub = next(line for line in text.splitlines() if line.startswith("| sub |"))
     assert "above floor (+10.0; 1/1 seeds) vs local:sub" in sub  # not 80.0 - 60.0
+
+
+def test_a_value_missing_for_some_seeds_says_how_many_it_covers() -> None:
+    # Arrange: seed 1's ceiling is not trained yet
+    cells = [c for c in _cells() if c["key"] != "centralised--iid--seed1"]
+
+    # Execute
+    text = markdown_tables(flat_rows(cells), ["good", "bad", "local"])
+
+    # Assert: good's ceiling is seed 0's alone (0.95), and says so
+    good = next(line for line in text.splitlines() if line.startswith("| good |"))
+    assert "| 95.0 ± 0.0 (1 of 2 seeds) |" in good
+    assert "| 81.0 ± 1.0 | 60.0 ± 0.0 |" in good  # values every seed has: unmarked
 
 
 def test_family_floors_of_every_scheme() -> None:

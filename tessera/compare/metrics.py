@@ -303,10 +303,43 @@ def mean_curve(curves: Sequence[Sequence[float | None]]) -> tuple[list[float], l
     return means, stds
 
 
+def ceiling_key(arch: str, learning_rate: float | None = None) -> str:
+    """Return the centralised record's key for an architecture at a run's learning rate.
+
+    A scheme that trains at a learning rate of its own (run-config
+    ``learning-rate``, e.g. the ensemble's tuned one) gets the ceiling of its
+    architectures at that rate: the same budget includes the optimiser. Without
+    one, the key is the architecture's name (the common rate).
+
+    Examples
+    --------
+    >>> ceiling_key("cnn-1")
+    'cnn-1'
+    >>> ceiling_key("vgg11_0125", 0.01)
+    'vgg11_0125 lr=0.01'
+    """
+    return arch if learning_rate is None else f"{arch} lr={learning_rate:g}"
+
+
+def run_learning_rate(run_config: Mapping[str, Any]) -> float | None:
+    """Return the learning rate a run set for itself (run-config ``learning-rate``), if any.
+
+    Examples
+    --------
+    >>> run_learning_rate({"strategy": "ensemble", "learning-rate": 0.01})
+    0.01
+    >>> run_learning_rate({"strategy": "local"}) is None
+    True
+    """
+    value = run_config.get("learning-rate")
+    return None if value is None else float(value)
+
+
 def ceiling_for(
     client_archs: Mapping[str, str],
     global_archs: Iterable[str],
     centralised: Mapping[str, Mapping[str, Any]],
+    learning_rate: float | None = None,
 ) -> tuple[float | None, float | None]:
     """Return the ceiling matched to one run: its own architectures trained centrally.
 
@@ -319,7 +352,10 @@ def ceiling_for(
     centralised : Mapping[str, Mapping]
         Per architecture, the centralised model's ``personal`` accuracies by
         partition id and its ``global`` accuracy on the server test set
-        (:func:`tessera.compare.ceiling.train_centralised`).
+        (:func:`tessera.compare.ceiling.train_centralised`), keyed by
+        :func:`ceiling_key`.
+    learning_rate : float, optional
+        The run's own learning rate (run-config ``learning-rate``), if it set one.
 
     Returns
     -------
@@ -330,21 +366,24 @@ def ceiling_for(
         set; ``None`` where an architecture was not trained centrally.
     """
     personal: list[float] = []
+    glob = _global_ceiling(global_archs, centralised, learning_rate)
     for pid, arch in client_archs.items():
-        entry = centralised.get(arch)
+        entry = centralised.get(ceiling_key(arch, learning_rate))
         if entry is None or entry.get("diverged"):
-            return None, _global_ceiling(global_archs, centralised)
+            return None, glob
         value = entry.get("personal", {}).get(pid)
         if value is not None:  # absent: the client's held-out split is empty
             personal.append(float(value))
     mean = statistics.fmean(personal) if personal else None
-    return mean, _global_ceiling(global_archs, centralised)
+    return mean, glob
 
 
 def _global_ceiling(
-    archs: Iterable[str], centralised: Mapping[str, Mapping[str, Any]]
+    archs: Iterable[str],
+    centralised: Mapping[str, Mapping[str, Any]],
+    learning_rate: float | None,
 ) -> float | None:
-    values = [centralised.get(a, {}).get("global") for a in archs]
+    values = [centralised.get(ceiling_key(a, learning_rate), {}).get("global") for a in archs]
     if not values or any(v is None for v in values):
         return None
     return statistics.fmean(float(v) for v in values if v is not None)

@@ -19,10 +19,12 @@ from typing import Any
 from tessera.compare.metrics import (
     CEILING,
     FLOOR,
+    Spread,
     beats_floor,
     ceiling_for,
     is_floor,
     mean_curve,
+    run_learning_rate,
     spread,
 )
 
@@ -108,7 +110,12 @@ def flat_rows(
             continue
         f = c["fields"]
         ceiling_personal, ceiling_global = (
-            ceiling_for(f["client_archs"], f["global_by_arch"], central[where])
+            ceiling_for(
+                f["client_archs"],
+                f["global_by_arch"],
+                central[where],
+                run_learning_rate(c.get("run_config", {})),
+            )
             if where in central
             else (None, None)
         )
@@ -214,6 +221,28 @@ def _floor_text(rows: Sequence[Mapping[str, Any]], floor: Sequence[Mapping[str, 
     return f"{verdict} ({100 * diff:+.1f}; {wins}/{len(pairs)} seeds)"
 
 
+def _over(value: Spread, seeds: int) -> str:
+    """``mean ± std``, naming how many of the table's seeds it covers when not all.
+
+    A cell still missing for some seed (a ceiling not trained yet, a run that
+    failed) would otherwise pass for the mean over every seed.
+
+    Examples
+    --------
+    >>> _over(Spread(0.5, 0.0, 1), 3)
+    '50.0 ± 0.0 (1 of 3 seeds)'
+    """
+    text = value.text()
+    if value.mean is None or value.n >= seeds:
+        return text
+    return f"{text} ({value.n} of {seeds} seeds)"
+
+
+def _column(rows: Sequence[Mapping[str, Any]], name: str, seeds: int) -> str:
+    """One table cell: a field's spread over the rows' seeds (see :func:`_over`)."""
+    return _over(spread(r.get(name) for r in rows), seeds)
+
+
 def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -> str:
     """One leaderboard table per partitioning (mean ± std over seeds, in percent).
 
@@ -236,8 +265,8 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -
             rs = by_scheme.get(scheme)
             if not rs:
                 continue
-            personal = spread(r["personal"] for r in rs)
-            ceiling = spread(r.get("ceiling_personal") for r in rs)
+            personal = _column(rs, "personal", len(seeds))
+            ceiling = _column(rs, "ceiling_personal", len(seeds))
             own_floor = str(rs[0].get("floor") or FLOOR)
             vs_floor = (
                 "floor"
@@ -257,9 +286,9 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str]) -
                 else scheme
             )
             out.append(
-                f"| {label} | {personal.text()} | {spread(r.get('global') for r in rs).text()} "
-                f"| {spread(r.get('ensemble') for r in rs).text()} "
-                f"| {'-' if scheme == CEILING else ceiling.text()} | {vs_floor} "
+                f"| {label} | {personal} | {_column(rs, 'global', len(seeds))} "
+                f"| {_column(rs, 'ensemble', len(seeds))} "
+                f"| {'-' if scheme == CEILING else ceiling} | {vs_floor} "
                 f"| {_bytes_text(spread(r.get('bytes') for r in rs).mean)} "
                 f"| {'-' if plateau.mean is None else f'{plateau.mean:.1f}'} "
                 f"| {', '.join(archs) if len(archs) <= 4 else f'{len(archs)} archs'} |"
