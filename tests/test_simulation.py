@@ -145,10 +145,13 @@ def test_one_hostile_node_in_four_is_bounded_in_real_simulation(
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["heterofl", "flexifed", "nefl", "fedfa"])
 def test_submodel_schemes_train_slices_in_real_simulation(scheme: str, tmp_path: Path) -> None:
-    # a weak and a strong device pick different slices of preresnet26_025
+    # a weak and a strong device pick different slices of preresnet26_025; static
+    # batch norm as in the schemes' papers (with plain batch norm the averaged
+    # running statistics fit no slice and the global model can sit at chance)
     run_config = (
         f"strategy='{scheme}' num-server-rounds=2 local-epochs=1 model-family='preresnet' "
-        "submodel-widths='1,0.25' sim-device-profiles='cpu-small,jetson-orin'"
+        "submodel-widths='1,0.25' sim-device-profiles='cpu-small,jetson-orin' "
+        "norm='static-batch'"
     )
     rounds = [
         json.loads(line)
@@ -161,7 +164,9 @@ def test_submodel_schemes_train_slices_in_real_simulation(scheme: str, tmp_path:
         assert r["num_ok"] == 3 and r["num_rejected"] == 0
         assert set(r["submodel_accuracy"]) >= {"preresnet26_025"}
         assert sum(r["slices"].values()) == 3
-    assert rounds[-1]["global_accuracy"] > 0.1
+    # measured in process with this config, fedfa over seeds 1, 2, 3, 42: 0.48-0.67
+    # after round 2 (chance is 0.1; with norm='batch' it stayed at 0.10-0.13)
+    assert rounds[-1]["global_accuracy"] > 0.25
 
 
 @pytest.mark.slow

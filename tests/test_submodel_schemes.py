@@ -49,7 +49,9 @@ def test_every_submodel_scheme_trains_slices_and_evaluates_them(
     fast_clients: None,
     tmp_path: Path,
 ) -> None:
-    server = run_scheme(run_config, digits_bundle, tmp_path, {"strategy": scheme})
+    # static batch norm, as the schemes' papers train (see the warning under norm='batch')
+    overrides = {"strategy": scheme, "norm": "static-batch"}
+    server = run_scheme(run_config, digits_bundle, tmp_path, overrides)
     archs = {info.arch for info in server.nodes.values()}
     print(scheme, archs, [r.get("global_accuracy") for r in server.rounds])
     assert all(a.startswith("preresnet26_025@") for a in archs)
@@ -58,7 +60,7 @@ def test_every_submodel_scheme_trains_slices_and_evaluates_them(
         assert not record.get("skipped"), record.get("skip_reason")
         assert record["submodel_accuracy"]
         assert 0.0 <= record["global_accuracy"] <= 1.0
-    assert server.rounds[-1]["global_accuracy"] > 0.1
+    assert server.rounds[-1]["global_accuracy"] > 0.25
 
 
 @pytest.mark.parametrize(

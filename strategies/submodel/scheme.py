@@ -368,6 +368,14 @@ class SubModelStrategy(HeteroStrategy):
         )
         self.models = GroupModels(self.aggregator, self.group_initial)
         self._index: dict[str, dict[str, Index]] = {}
+        if self.env.run.norm == "batch":
+            log.warning(
+                "%s with norm='batch': the server averages the slices' running statistics, "
+                "which fit no slice, so the global model may score near chance on the "
+                "server's test set; use run-config norm='static-batch' (HeteroFL's sBN: "
+                "statistics recomputed on the server pool before each evaluation)",
+                self.name,
+            )
 
     # ------------------------------------------------------------------ slices
     def build_model(self, arch: str, *, norm: str | None = None) -> torch.nn.Module:
