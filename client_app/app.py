@@ -197,7 +197,7 @@ def handshake(msg: Message, context: Context) -> Message:
 
     run = RunConfig.from_flower(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    algorithm = build_client(run, context.run_config)
+    algorithm = with_attack(build_client(run, context.run_config), run, node)
     data = load_node_data(run, node)
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
     simulated = bool(config.get("simulation", False))
@@ -264,6 +264,7 @@ def handshake(msg: Message, context: Context) -> Message:
         "state-round": state.saved_round,
     }
     record.update({f"device-{k}": v for k, v in profile.to_dict().items()})
+    record = algorithm.handshake_profile(record)
     state.put(STATE_NODE, ConfigRecord({f"device-{k}": v for k, v in profile.to_dict().items()}))
     state.save(state.saved_round)
     return Message(RecordDict({wire.PROFILE: ConfigRecord(record)}), reply_to=msg)

@@ -152,10 +152,16 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the scheme named by run-config ``strategy``."""
+    """Run the scheme named by run-config ``strategy``.
+
+    Refuses the omniscient attacks of the harness, which only the in-process grid
+    can run (:func:`tessera.attacks.require_client_side`).
+    """
+    from tessera.attacks import require_client_side
     from tessera.data import plot_label_distribution
 
     started = time.monotonic()
+    require_client_side(RunConfig.from_flower(context.run_config))
     server = build_server(context.run_config)
     run, env, writer, runner = server.env.run, server.env, server.writer, server.runner
     log.info(

@@ -173,27 +173,149 @@ def entry_kind(key: str) -> str:
     return "statistics" if key.endswith(STATISTICS_SUFFIXES) else "parameters"
 
 
-CHUNK = 1 << 16
-"""Elements per float64 block when distances are measured (bounds the temporaries)."""
+CHUNK = 1 << 20
+"""Elements per block when distances are measured: bounds the temporary (4 MiB of
+float32, reused for every update of a round) and stays in cache between the measure
+and the fold of a block. Smaller blocks cost more in per-call overhead than they
+save (``benchmarks/aggregation.py``)."""
+
+DEFAULT_GROWTH = 2.0
+"""Largest factor a bounded ``mean``'s scale may move between rounds (``bound-growth``)."""
+
+
+def _floating(value: np.ndarray) -> bool:
+    return bool(np.issubdtype(value.dtype, np.floating))
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    """Return a 1-d view of ``array`` (a copy only when it cannot be viewed flat)."""
+    return array.reshape(-1)
+
+
+def _torch_view(array: np.ndarray) -> torch.Tensor | None:
+    """``array`` as a flat torch tensor on the same memory, or ``None`` if torch cannot view it."""
+    if array.dtype not in _TORCH_DTYPES or not array.flags.c_contiguous or array.size == 0:
+        return None
+    flat = array.reshape(-1)
+    try:
+        if flat.flags.writeable:
+            return torch.from_numpy(flat)
+        with warnings.catch_warnings():  # read-only memory: it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(flat)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _block_square(a: np.ndarray, b: np.ndarray) -> float:
+    diff = np.subtract(a, b, dtype=np.float64)
+    return float(np.vdot(diff, diff))
 
 
 def squared_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """Return ``sum((a - b) ** 2)`` computed in float64, in blocks of about :data:`CHUNK`.
+    """Return ``sum((a - b) ** 2)``, block by block, without a temporary of ``a``'s size.
 
-    The float64 difference is formed one block of rows at a time, so an entry of a
-    million float32 values needs a 0.5 MiB temporary, not an 8 MiB one.
+    float32 and float64 entries go through torch (the difference of a block of
+    :data:`CHUNK` elements into one reused buffer, then its dot product, summed
+    over blocks in float64); a block whose float32 square overflows is measured
+    again in float64, so a finite update always has a finite (or ``inf`` only
+    past float64's range) distance. Anything else goes through numpy in float64.
     """
     if a.shape != b.shape:
         raise AggregationError(f"cannot measure {a.shape} against {b.shape}")
-    if a.ndim == 0 or a.size <= CHUNK:
-        diff = np.subtract(a, b, dtype=np.float64)
-        return float(np.vdot(diff, diff))
-    rows = max(1, CHUNK // max(1, a.size // a.shape[0]))
-    total = 0.0
-    for start in range(0, a.shape[0], rows):
-        diff = np.subtract(a[start : start + rows], b[start : start + rows], dtype=np.float64)
-        total += float(np.vdot(diff, diff))
-    return total
+    _, square = measure_and_fold(a, b, None, 0.0, 0.0, None)
+    return square
+
+
+def measure_and_fold(
+    value: np.ndarray,
+    base: np.ndarray,
+    total: np.ndarray | None,
+    weight: float,
+    square: float,
+    limit: float | None,
+    scratch: dict[torch.dtype, torch.Tensor] | None = None,
+) -> tuple[int, float]:
+    """Add ``sum((value - base) ** 2)`` to ``square``; fold blocks of ``value`` while in bounds.
+
+    Blocks of :data:`CHUNK` elements are measured in turn (the difference into a
+    reused buffer, then its dot product, in the entry's precision; a block whose
+    float32 square overflows is measured again in float64). While the running
+    ``square`` stays at most ``limit`` (a squared distance), each measured block is
+    also added to ``total`` at ``weight`` (``total[block] += weight * value[block]``,
+    in place, while the block is in cache). The first block that takes ``square``
+    past ``limit`` and every block after it are only measured. With ``limit`` (or
+    ``total``) ``None`` nothing is folded. ``scratch`` keeps the buffer between
+    calls (one per dtype).
+
+    Returns
+    -------
+    tuple[int, float]
+        How many leading elements (in C order) were folded, and the new ``square``.
+    """
+    n = value.size
+    v, b = _torch_view(value), _torch_view(base)
+    t = None if total is None else _torch_view(total)
+    fold = limit is not None and total is not None
+    if v is None or b is None or v.dtype != b.dtype or (fold and (t is None or t.dtype != v.dtype)):
+        # other dtypes and layouts: measure in float64 blocks, fold nothing
+        if value.ndim == 0 or n <= CHUNK:
+            return 0, square + _block_square(value, base)
+        rows = max(1, CHUNK // max(1, n // value.shape[0]))
+        for start in range(0, value.shape[0], rows):
+            square += _block_square(value[start : start + rows], base[start : start + rows])
+        return 0, square
+    size = min(n, CHUNK)
+    buf = None if scratch is None else scratch.get(v.dtype)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(size, dtype=v.dtype)
+        if scratch is not None:
+            scratch[v.dtype] = buf
+    done = 0
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        part = buf[: stop - start]
+        torch.sub(v[start:stop], b[start:stop], out=part)
+        block = float(torch.dot(part, part))
+        if not math.isfinite(block):  # float32 overflow: measure this block in float64
+            block = _block_square(_flat(value)[start:stop], _flat(base)[start:stop])
+        square += block
+        if fold and done == start and square <= limit:  # type: ignore[operator]
+            t[start:stop].add_(v[start:stop], alpha=weight)  # type: ignore[index]
+            done = stop
+    return done, square
+
+
+def reference_norms(reference: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Per kind of entry (:func:`entry_kind`), the L2 norm of the reference's floating entries."""
+    squares: dict[str, float] = {}
+    for key, value in reference.items():
+        if _floating(value) and value.size:
+            kind = entry_kind(key)
+            squares[kind] = squares.get(kind, 0.0) + squared_distance(value, np.zeros_like(value))
+    return {kind: math.sqrt(square) for kind, square in squares.items()}
+
+
+def next_scale(accepted: Sequence[float], previous: float | None, growth: float) -> float:
+    """Return the next round's clip scale from the distances a round accepted.
+
+    The lower median of ``accepted`` (after clipping, so an update sent beyond the
+    bound counts at the bound), kept within ``[previous / growth, previous *
+    growth]`` when there is a previous scale: a majority of hostile nodes can move
+    the bound by at most ``growth`` per round, and a minority only picks which
+    honest distance is the median.
+
+    Raises
+    ------
+    ValueError
+        If ``accepted`` is empty or ``growth`` is not above 1.
+    """
+    if not growth > 1:
+        raise ValueError(f"growth {growth!r} must be above 1")
+    median = lower_median(accepted)
+    if previous is None:
+        return median
+    return min(max(median, previous / growth), previous * growth)
 
 
 def update_distances(
@@ -320,6 +442,14 @@ class EntrySums:
             total = self.sums[key] = np.zeros(ref.shape, dtype=sum_dtype(ref.dtype))
         add_scaled(total if where is None else total[where], value, weight)
 
+    def target(self, key: str, where: Index | None) -> np.ndarray:
+        """Return entry ``key``'s sum (allocated on first use), or its ``where`` slice."""
+        total = self.sums.get(key)
+        if total is None:
+            ref = self.reference[key]
+            total = self.sums[key] = np.zeros(ref.shape, dtype=sum_dtype(ref.dtype))
+        return total if where is None else total[where]
+
     def pop(self, key: str) -> np.ndarray:
         """Return entry ``key``'s sum (zeros if nothing was added) and forget it."""
         if key in self.sums:
@@ -393,20 +523,32 @@ class MeanAccumulator:
     model entry, plus a coverage array for entries that received partial updates.
 
     With ``clip_factor > 0`` every update's L2 distance from the reference (the
-    current global weights) is clipped to ``clip_factor`` times the cohort's median
-    distance, so that no single node can move the model arbitrarily far. Learned
-    parameters and batch-norm statistics are measured and bounded separately
-    (:func:`entry_kind`):
+    current global weights) is clipped to a bound, so that no node can move the
+    model further than the cohort's honest nodes move it. Learned parameters and
+    batch-norm statistics are measured and bounded separately (:func:`entry_kind`).
+    The bound of a kind of entry is the smaller of
 
-    - when ``previous`` (the lower medians of this model's last committed round) is
-      known, the bounds are ``clip_factor`` times them and updates are clipped and
-      folded as they arrive (memory: one accumulator per model);
-    - otherwise (the model's first round, or a round after which nothing moved) the
-      round's updates are kept until :meth:`result`, which clips them against this
-      round's own medians (memory: the round's updates, once).
+    - ``clip_factor`` times its *scale*: the lower median of the distances the
+      model's last committed round *accepted* (after clipping, so what an attacker
+      sent beyond the bound never enters it), moved by at most a factor
+      ``growth`` per round (:func:`next_scale`): a minority of nodes can only pick
+      which honest distance is the median, and a majority can move the bound by at
+      most ``growth`` per round;
+    - ``ceiling`` times the L2 norm of the reference's entries of that kind (a
+      scale that does not come from any node: it bounds a node alone in its
+      architecture group, and a model's first round).
+
+    When the model has no scale yet (its first round) the round's updates are kept
+    until :meth:`result`, which clips them against ``clip_factor`` times this
+    round's own lower median (and the ceiling); otherwise each update is measured
+    and folded as it arrives (:meth:`_stream`): one pass that computes the
+    distance block by block and folds each block while the running distance is
+    within the bound, and a correction for the blocks already folded when it is
+    not (``benchmarks/aggregation.py`` measures the cost against torch's in-place
+    sum).
 
     A clipped update ``reference + f * (update - reference)`` is folded as
-    ``w * f * update + w * (1 - f) * reference``, so clipping allocates nothing either.
+    ``w * f * update + w * (1 - f) * reference``, so clipping allocates nothing.
 
     Parameters
     ----------
@@ -414,13 +556,18 @@ class MeanAccumulator:
         The current global weights: names, shapes and dtypes of the result, and the
         values of entries no update covers.
     clip_factor : float
-        Multiple of the cohort's median distance an update may move the model
-        (``0`` switches the bound off).
+        Multiple of the scale an update may move the model (``0`` switches the
+        bound off, ceiling included).
     previous : Mapping[str, float] | None
-        The last round's median distance per kind of entry, or ``None``.
+        The scale per kind of entry from the last committed round, or ``None``.
     max_distance : float | None
         An absolute bound instead (``norm-clip``): every kind of entry of every
         update is clipped to this L2 distance as it arrives.
+    growth : float
+        Largest factor the scale may move between two rounds (``> 1``).
+    ceiling : float
+        Multiple of the reference's own L2 norm (per kind) no update may exceed
+        (``0``: no ceiling).
     """
 
     def __init__(
@@ -430,26 +577,56 @@ class MeanAccumulator:
         clip_factor: float = 0.0,
         previous: Mapping[str, float] | None = None,
         max_distance: float | None = None,
+        growth: float = DEFAULT_GROWTH,
+        ceiling: float = 0.0,
     ) -> None:
         self.reference = dict(reference)
         self.clip_factor = float(clip_factor)
         self.max_distance = max_distance
+        self.growth = float(growth)
+        self.previous: dict[str, float] = {}
+        if previous and all(math.isfinite(d) and d > 0 for d in previous.values()):
+            self.previous = {kind: float(d) for kind, d in previous.items()}
+        self.ceilings: dict[str, float] = {}
+        if self.clip_factor > 0 and ceiling > 0:
+            for kind, norm in reference_norms(self.reference).items():
+                if norm > 0:
+                    self.ceilings[kind] = float(ceiling) * norm
         self.bounds: dict[str, float] | None = None
-        if self.clip_factor > 0 and previous and all(d > 0 for d in previous.values()):
-            self.bounds = {kind: self.clip_factor * float(d) for kind, d in previous.items()}
+        if max_distance is not None:
+            self.bounds = {}
+        elif self.clip_factor > 0 and self.previous:
+            self.bounds = {
+                kind: self._capped(kind, self.clip_factor * d) for kind, d in self.previous.items()
+            }
         self._sums = EntrySums(self.reference)
         self._cover = Coverage(self.reference)
         self._count = 0
-        self._distances: dict[str, list[float]] = {}
+        self._accepted: dict[str, list[float]] = {}
         self._buffer: list[tuple[int, _Checked, float, dict[str, float]]] = []
         self._clips: list[Clip] = []
         self._result: dict[str, np.ndarray] | None = None
         self._unit: float | None = None
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def count(self) -> int:
         """Number of updates folded in so far."""
         return self._count
+
+    def _capped(self, kind: str, bound: float) -> float:
+        ceiling = self.ceilings.get(kind)
+        return bound if ceiling is None else min(bound, ceiling)
+
+    def _bound(self, kind: str) -> float | None:
+        """Return the streaming bound of ``kind`` (``None``: unknown, so buffer the update)."""
+        if self.max_distance is not None:
+            return self.max_distance
+        if self.bounds is None:
+            return None
+        if kind in self.bounds:
+            return self.bounds[kind]
+        return None
 
     def add(
         self,
@@ -480,39 +657,90 @@ class MeanAccumulator:
         w /= self._unit
         position = self._count
         self._count += 1
-        if self.max_distance is not None:
-            distances = self._measure(checked)
-            bounds = dict.fromkeys(distances, self.max_distance)
-            self._fold(checked, w, self._factors(position, distances, bounds))
-            return
-        if self.clip_factor <= 0:
+        if self.max_distance is None and self.clip_factor <= 0:
             self._fold(checked, w, {})
             return
-        distances = self._measure(checked)
-        if self.bounds is None or any(k not in self.bounds for k in distances):
+        kinds = {entry_kind(k) for k, (v, _) in checked.items() if _floating(v)}
+        bounds = {kind: self._bound(kind) for kind in kinds}
+        if any(b is None for b in bounds.values()):
+            distances = self._measure(checked)
             self._buffer.append((position, checked, w, distances))
             return
-        self._fold(checked, w, self._factors(position, distances, self.bounds))
+        self._stream(
+            position, checked, w, {k: float(b) for k, b in bounds.items() if b is not None}
+        )
 
     def _measure(self, checked: _Checked) -> dict[str, float]:
         values = {k: v for k, (v, _) in checked.items()}
         where = {k: i for k, (_, i) in checked.items()}
-        distances = update_distances(values, self.reference, where)
-        for kind, distance in distances.items():
-            if distance > 0:
-                self._distances.setdefault(kind, []).append(distance)
-        return distances
+        return update_distances(values, self.reference, where)
 
-    def _factors(
+    def _accept(
         self, position: int, distances: Mapping[str, float], bounds: Mapping[str, float]
     ) -> dict[str, float]:
+        """Record what is accepted of each kind and return the clip factors."""
         factors: dict[str, float] = {}
         for kind, distance in distances.items():
             bound = bounds.get(kind, 0.0)
             if bound > 0 and distance > bound:
                 factors[kind] = bound / distance
                 self._clips.append(Clip(position, kind, distance, bound))
+                distance = bound
+            if distance > 0:
+                self._accepted.setdefault(kind, []).append(distance)
         return factors
+
+    def _stream(
+        self, position: int, checked: _Checked, w: float, bounds: Mapping[str, float]
+    ) -> None:
+        """Measure and fold one update in one pass over it (see the class docstring)."""
+        squares: dict[str, float] = {}
+        folded: dict[str, int] = {}  # per key: elements folded at weight w (a prefix)
+        over: set[str] = set()  # kinds whose running distance passed their bound
+        for key, (value, where) in checked.items():
+            ref = self.reference[key]
+            if not _floating(value):
+                self._sums.add(key, value, w, where)
+                continue
+            kind = entry_kind(key)
+            bound = bounds[kind]
+            base = ref if where is None else ref[where]
+            total = self._sums.target(key, where)
+            done, square = measure_and_fold(
+                value,
+                base,
+                total,
+                w,
+                squares.get(kind, 0.0),
+                None if kind in over else bound * bound,
+                self._scratch,
+            )
+            squares[kind] = square
+            folded[key] = done
+            if done < value.size:
+                over.add(kind)
+        distances = {kind: math.sqrt(s) for kind, s in squares.items()}
+        factors = self._accept(position, distances, bounds)
+        for key, (value, where) in checked.items():
+            if not _floating(value):
+                self._cover.add(key, w, where)
+                continue
+            factor = factors.get(entry_kind(key))
+            if factor is not None:
+                ref = self.reference[key]
+                base = ref if where is None else ref[where]
+                total = self._sums.target(key, where)
+                flat_total, flat_value = _flat(total), _flat(value)
+                done = folded[key]
+                if done:  # these blocks went in at w: take w (1 - f) of them back out
+                    add_scaled(flat_total[:done], flat_value[:done], -w * (1 - factor))
+                if done < value.size:
+                    add_scaled(flat_total[done:], flat_value[done:], w * factor)
+                add_scaled(total, base, w * (1 - factor))
+            elif folded[key] < value.size:  # not over after all (another entry was)
+                flat_total, flat_value = _flat(self._sums.target(key, where)), _flat(value)
+                add_scaled(flat_total[folded[key] :], flat_value[folded[key] :], w)
+            self._cover.add(key, w, where)
 
     def _fold(self, checked: _Checked, w: float, factors: Mapping[str, float]) -> None:
         for key, (value, where) in checked.items():
@@ -528,13 +756,17 @@ class MeanAccumulator:
     def _flush(self) -> None:
         if not self._buffer:
             return
+        sent: dict[str, list[float]] = {}
+        for _, _, _, distances in self._buffer:
+            for kind, distance in distances.items():
+                if distance > 0:
+                    sent.setdefault(kind, []).append(distance)
         bounds = {
-            kind: self.clip_factor * lower_median(values)
-            for kind, values in self._distances.items()
-            if values
+            kind: self._capped(kind, self.clip_factor * lower_median(values))
+            for kind, values in sent.items()
         }
         for position, checked, w, distances in self._buffer:
-            self._fold(checked, w, self._factors(position, distances, bounds))
+            self._fold(checked, w, self._accept(position, distances, bounds))
         self._buffer = []
 
     def result(self) -> dict[str, np.ndarray]:
@@ -563,8 +795,17 @@ class MeanAccumulator:
         return out
 
     def report(self) -> AccumulatorReport:
-        """Return the round's median distances (when measured) and the clipped updates."""
-        medians = {kind: lower_median(v) for kind, v in sorted(self._distances.items()) if v}
+        """Return the next round's scale per kind of entry and the clipped updates.
+
+        The scale is :func:`next_scale` of the distances this round accepted (what
+        was folded, after clipping) and the last round's scale.
+        """
+        medians: dict[str, float] = {}
+        for kind, accepted in sorted(self._accepted.items()):
+            if accepted:
+                medians[kind] = next_scale(accepted, self.previous.get(kind), self.growth)
+        for kind, scale in self.previous.items():  # a kind nobody moved keeps its scale
+            medians.setdefault(kind, scale)
         return AccumulatorReport(medians=medians, clips=tuple(self._clips))
 
 
@@ -573,20 +814,26 @@ class MeanAggregator:
     """Example-weighted mean (FedAvg), streaming, with per-entry coverage.
 
     ``clip_factor > 0`` bounds each update's distance from the global model by that
-    multiple of the cohort's median distance (see :class:`MeanAccumulator`).
+    multiple of the accepted median distance of the last round, moved by at most
+    ``growth`` per round, and by ``ceiling`` times the global model's own norm (see
+    :class:`MeanAccumulator`).
     """
 
     clip_factor: float = 0.0
     name: str = "mean"
+    growth: float = DEFAULT_GROWTH
+    ceiling: float = 0.0
 
     def accumulator(
         self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
     ) -> Accumulator:
-        """Return a fresh :class:`MeanAccumulator` bounded by the previous round's median."""
+        """Return a fresh :class:`MeanAccumulator` bounded by the previous round's scale."""
         return MeanAccumulator(
             reference,
             clip_factor=self.clip_factor,
             previous=None if previous is None else previous.medians,
+            growth=self.growth,
+            ceiling=self.ceiling,
         )
 
 
@@ -606,12 +853,19 @@ class AggregatorSettings:
     clip_norm : float
         ``clip-norm``: largest L2 distance of an update from the global model
         (``norm-clip``).
+    growth : float
+        ``bound-growth``: largest factor ``mean``'s clip scale moves per round.
+    ceiling : float
+        ``clip-ceiling``: ``mean`` never lets an update move the global model by more
+        than this multiple of the model's own L2 norm, per kind of entry (0: off).
     """
 
     clip_factor: float = 0.0
     trim_fraction: float = 0.1
     krum_byzantine: int = 1
     clip_norm: float = 10.0
+    growth: float = DEFAULT_GROWTH
+    ceiling: float = 0.0
 
     @classmethod
     def from_run(cls, run: RunConfig) -> AggregatorSettings:
@@ -621,6 +875,8 @@ class AggregatorSettings:
             trim_fraction=run.trim_fraction,
             krum_byzantine=run.krum_byzantine,
             clip_norm=run.clip_norm,
+            growth=float(getattr(run, "bound_growth", DEFAULT_GROWTH)),
+            ceiling=float(getattr(run, "clip_ceiling", 0.0)),
         )
 
 
@@ -655,4 +911,9 @@ def get_aggregator(name: str, settings: AggregatorSettings | None = None) -> Agg
     return _AGGREGATORS[name](settings if settings is not None else AggregatorSettings())
 
 
-register_aggregator("mean", lambda settings: MeanAggregator(settings.clip_factor))
+register_aggregator(
+    "mean",
+    lambda settings: MeanAggregator(
+        settings.clip_factor, growth=settings.growth, ceiling=settings.ceiling
+    ),
+)

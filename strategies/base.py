@@ -75,6 +75,7 @@ from strategies.validation import (
     ReplySchema,
     short_reason,
     validate_reply,
+    weight_caps,
 )
 from tessera import wire
 from tessera.attacks import attack_assignment
@@ -401,6 +402,8 @@ class HeteroStrategy:
             if aggregator is not None
             else get_aggregator(env.run.aggregator, AggregatorSettings.from_run(env.run))
         )
+        self.weight_cap = float(getattr(env.run, "weight_cap", 2.0))
+        """Run-config ``weight-cap`` (see :func:`strategies.validation.weight_caps`)."""
         self.federation = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.nodes: dict[int, NodeInfo] = {}
         self.assignment: dict[int, str] = {}
@@ -562,37 +565,113 @@ class HeteroStrategy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (the base part); subclasses restore theirs.
 
+        Every field is checked before anything is restored: the checkpoint must
+        record the ``run_config`` it was written under, with every key of
+        :data:`RESUME_IDENTITY_KEYS` equal to this run's, and each field must have
+        its type (the round and counters non-negative integers, the federation id a
+        safe name, every node entry complete).
+
         Raises
         ------
         ConfigError
             If the checkpoint is of another scheme or another experiment.
+        CheckpointError
+            If a field is missing or malformed; the message names the file, the
+            field and the fix.
         """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import (
+            SAFE_ID,
+            StateFileError,
+            get_int,
+            get_list,
+            get_mapping,
+            get_str,
+            int_list,
+        )
+
         if state.get("scheme") != self.name:
             raise ConfigError(
                 f"the checkpoint is of scheme '{state.get('scheme')}' but run-config "
                 f"'strategy' is '{self.name}'; resume with the same strategy"
             )
-        saved = state.get("run_config", {})
+        try:
+            saved = get_mapping(state, "run_config")
+            missing = [k for k in RESUME_IDENTITY_KEYS if k not in saved]
+            if missing:
+                raise StateFileError(
+                    "run_config",
+                    f"lacks the keys that define the experiment {missing}, so it cannot "
+                    "be told apart from another experiment's",
+                )
+        except StateFileError as err:
+            raise refusal(state, err) from err
         current = self.env.run.to_dict()
         changed = [
             f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
             for k in RESUME_IDENTITY_KEYS
-            if k in saved and saved.get(k) != current.get(k)
+            if saved.get(k) != current.get(k)
         ]
         if changed:
             raise ConfigError(
                 "cannot resume: run-config keys that define the experiment differ from the "
                 f"checkpoint's ({'; '.join(changed)}); use the original values"
             )
-        self.completed_round = int(state["round"])
-        self.federation = str(state["federation"])
-        self.failed_streak = int(state.get("failed_streak", 0))
-        self.nodes = {int(d["node"]): NodeInfo.from_dict(d) for d in state.get("nodes", [])}
-        self.excluded = {int(n): str(r) for n, r in state.get("excluded", {}).items()}
-        self._handshake_rejections = [
-            Rejection(int(r["node"]), str(r["reason"]))
-            for r in state.get("handshake_rejections", [])
-        ]
+        try:
+            completed = get_int(state, "round")
+            federation = get_str(state, "federation")
+            if not SAFE_ID.match(federation):
+                raise StateFileError(
+                    "federation", f"is {federation!r}; expected a safe folder name"
+                )
+            streak = get_int(state, "failed_streak", default=0)
+            nodes: dict[int, NodeInfo] = {}
+            for i, entry in enumerate(get_list(state, "nodes", default=[])):
+                where = f"nodes[{i}]"
+                if not isinstance(entry, Mapping):
+                    raise StateFileError(where, f"is {type(entry).__name__}; expected a mapping")
+                any_int = -(2**63)
+                counts = int_list(
+                    get_list(entry, "label_counts", where=where), where=f"{where}.label_counts"
+                )
+                if not isinstance(entry.get("arch_fits"), bool):
+                    raise StateFileError(f"{where}.arch_fits", "is not a boolean")
+                info = NodeInfo(
+                    node_id=get_int(entry, "node", where=where),
+                    arch=get_str(entry, "arch", where=where),
+                    family=get_str(entry, "family", where=where),
+                    size_rank=get_int(entry, "size_rank", where=where, minimum=any_int),
+                    arch_fits=bool(entry["arch_fits"]),
+                    num_train=get_int(entry, "num_train", where=where),
+                    num_test=get_int(entry, "num_test", where=where),
+                    partition_id=get_int(entry, "partition_id", where=where, minimum=any_int),
+                    label_counts=tuple(counts),
+                    profile=dict(get_mapping(entry, "profile", where=where)),
+                )
+                nodes[info.node_id] = info
+            excluded: dict[int, str] = {}
+            for node, reason in get_mapping(state, "excluded", default={}).items():
+                if not node.isdigit():
+                    raise StateFileError(f"excluded.{node}", "is not keyed by a node id")
+                excluded[int(node)] = get_str({node: reason}, node, where="excluded")
+            rejections = []
+            for i, entry in enumerate(get_list(state, "handshake_rejections", default=[])):
+                where = f"handshake_rejections[{i}]"
+                if not isinstance(entry, Mapping):
+                    raise StateFileError(where, f"is {type(entry).__name__}; expected a mapping")
+                rejections.append(
+                    Rejection(
+                        get_int(entry, "node", where=where), get_str(entry, "reason", where=where)
+                    )
+                )
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.completed_round = completed
+        self.federation = federation
+        self.failed_streak = streak
+        self.nodes = nodes
+        self.excluded = excluded
+        self._handshake_rejections = rejections
 
     # ------------------------------------------------------------ round loop
     def summary(self) -> None:
@@ -694,10 +773,15 @@ class HeteroStrategy:
             selected = self.select_nodes(ctx)
             ctx.assignment = {n: ctx.eligible[n] for n in selected}
             ctx.schemas = {n: self.reply_schema(ctx, n, a) for n, a in ctx.assignment.items()}
+            caps = weight_caps(
+                {n: self.nodes[n].num_train for n in ctx.assignment if n in self.nodes},
+                self.weight_cap,
+            )
             ctx.limits = {
                 n: ReplyLimits(
                     max_examples=self.nodes[n].num_train * run.local_epochs,
                     max_test_examples=self.nodes[n].num_test,
+                    max_weight=caps[n],
                 )
                 for n in ctx.assignment
                 if n in self.nodes

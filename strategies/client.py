@@ -145,6 +145,22 @@ class ClientAlgorithm:
         """Return the train and test data of this round (default: unchanged)."""
         return train, test
 
+    def handshake_profile(self, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """Return the profile this node reports at the handshake (default: unchanged).
+
+        Parameters
+        ----------
+        profile : Mapping[str, Any]
+            What the ClientApp measured: architecture, data sizes (``num-train``,
+            ``label-counts``), device (``device-*``).
+
+        Returns
+        -------
+        dict[str, Any]
+            The ``profile`` record's values.
+        """
+        return dict(profile)
+
     def arch_for(self, config: ConfigRecord) -> str:
         """Return the architecture to train this round (the server names it)."""
         if "arch" not in config:
@@ -305,6 +321,10 @@ class ClientWrapper(ClientAlgorithm):
     ) -> tuple[ArrayDataset, ArrayDataset]:
         """Delegate to the inner client."""
         return self.inner.prepare_data(train, test)
+
+    def handshake_profile(self, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """Delegate to the inner client."""
+        return self.inner.handshake_profile(profile)
 
     def arch_for(self, config: ConfigRecord) -> str:
         """Delegate to the inner client."""

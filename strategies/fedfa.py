@@ -7,10 +7,29 @@ global number of blocks, :func:`~strategies.submodel.graft`), so every global bl
 receives every client's contribution ("complete aggregation"). The grafted slices
 are then combined by *scalable aggregation* (Algorithm 1, lines 12-22,
 :func:`~strategies.submodel.scalable_aggregate`): per layer, each client's update is
-scaled by the cohort's mean trimmed L2 norm over its own, then averaged by coverage.
-That scaling is FedFA's defence against a client whose update is out of scale, so
-FedFA does not use run-config ``aggregator`` (only ``mean`` is accepted) nor the
-``clip-factor`` bound.
+scaled to the cohort's typical norm, then averaged by coverage.
+
+That scaling is FedFA's defence against a client whose update is out of scale, and
+here it is a bound (:mod:`strategies.submodel.aggregate` gives the maths and the
+measurements behind it):
+
+- a client is scaled to the median norm of the *others* (at most; the paper's
+  cohort mean holds the client's own norm, so an oversized update raised its own
+  reference and scaled every honest layer up);
+- run-config ``clip-factor`` (default 3) bounds the full L2 norm of a scaled
+  update to that multiple of the reference, so values hidden above the percentile
+  the norm ignores are bounded too (an honest update is within it, and keeps the
+  paper's factor); ``clip-factor=0`` leaves FedFA's trimmed norm alone;
+- batch-norm running statistics, which are not scaled, are folded by the
+  ``aggregator`` (``mean`` with ``clip-factor``): each update's statistics are
+  clipped to ``clip-factor`` times the cohort's median distance, as in the other
+  schemes;
+- a layer that fewer than two clients moved takes the reference of the last round
+  that had one (kept in the checkpoint).
+
+Run-config ``aggregator`` must be ``mean`` (the buffered robust rules compare whole
+updates, not slices). With ``fedfa-scaling=false`` the grafted slices are folded
+by that aggregator as HeteroFL's are (coverage mean, bounded by ``clip-factor``).
 
 Options: ``fedfa-scaling`` (default true; false: plain coverage average of the
 grafted slices), ``fedfa-target`` (``updates``, default, or ``weights``),
@@ -26,22 +45,23 @@ the global model (measured: factor 1.5e5, accuracy 75 % -> 9 % in one round). Wh
 these readings are the defaults is in :mod:`strategies.submodel.aggregate`.
 
 Memory: each grafted reply is folded as it arrives
-(:class:`~strategies.submodel.ScalableAccumulator`): the factor ``mean / n_c`` is
-linear in the cohort mean, so the server keeps one running sum per layer and each
-client's norms, O(model), and multiplies by the mean at the end. Only layers that
-may end up capped by ``fedfa-max-factor`` (a norm well under the running mean) are
-kept apart until the round ends.
+(:class:`~strategies.submodel.ScalableAccumulator`): the factor ``rho / e_c`` is
+linear in the layer's reference ``rho``, so the server keeps one running sum per
+layer and each client's norms, O(model), and multiplies by ``rho`` at the end. Only
+layers that may end up capped by ``fedfa-max-factor`` (a norm well under the
+running reference) are kept apart until the round ends.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from strategies.aggregation import AggregationError
-from strategies.aggregators import MeanAccumulator
+from strategies.aggregators import AccumulatorReport
 from strategies.base import RoundContext
 from strategies.groups import NonFiniteStateError, non_finite_entries, without_arrays
 from strategies.registry import Scheme, register_scheme
@@ -56,6 +76,8 @@ from strategies.submodel.scheme import (
 )
 from strategies.validation import ClientReply
 from tessera.config import ConfigError, ConfigReader
+
+log = logging.getLogger("flwr.tessera")
 
 SLICES = ("both", "width", "depth")
 """Run-config ``fedfa-slices``: the axes nodes may cut their slice along."""
@@ -146,37 +168,65 @@ class FedFAStrategy(SubModelStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._round: ScalableAccumulator | MeanAccumulator | None = None
+        self._round: ScalableAccumulator | None = None
+        self._senders: list[int] = []
+        self.references: dict[str, float] = {}
+        """Per layer, the last reference norm a round computed (for a layer one client moves)."""
+        self.statistics_report: AccumulatorReport | None = None
+        """The last committed round's report on the statistics (carries their bound)."""
 
-    def _accumulator(self) -> ScalableAccumulator | MeanAccumulator:
+    def _accumulator(self) -> ScalableAccumulator:
         """Return this round's accumulator, opened on the global weights at the first reply."""
         if self._round is None:
             opts: FedFAOptions = self.options
-            if opts.scaling:
-                self._round = ScalableAccumulator(
-                    self.global_state,
-                    target=opts.target,  # type: ignore[arg-type]
-                    percentile=opts.percentile,
-                    trim=opts.trim,  # type: ignore[arg-type]
-                    max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
-                )
-            else:
-                self._round = MeanAccumulator(self.global_state)
+            self._round = ScalableAccumulator(
+                self.global_state,
+                target=opts.target,  # type: ignore[arg-type]
+                percentile=opts.percentile,
+                trim=opts.trim,  # type: ignore[arg-type]
+                max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
+                clip_factor=self.env.run.clip_factor,
+                previous=self.references,
+                statistics=self.aggregator,
+                previous_statistics=self.statistics_report,
+            )
+            self._senders = []
         return self._round
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
-        """Graft the reply to the global depth and fold it into this round's aggregate."""
+        """Graft the reply to the global depth and fold it into this round's aggregate.
+
+        With ``fedfa-scaling=false`` the grafted slice goes through the aggregator
+        as HeteroFL's slices do.
+        """
         if reply.arrays is None:
             raise ValueError(f"node {reply.node_id} sent no weights")
         grafted = graft(reply.arrays, self.layout, self.full.depths)
         index = coverage_index(self.global_state, grafted)
         weight = float(reply.num_examples) if self.options.weighted else 1.0
-        self._accumulator().add(grafted, weight, index=index)
+        if not self.options.scaling:
+            self.models.fold(self.global_name, grafted, weight, index=index, node=reply.node_id)
+            return without_arrays(reply)
+        accumulator = self._accumulator()
+        before = accumulator.count
+        accumulator.add(grafted, weight, index=index)
+        if accumulator.count > before:
+            self._senders.append(reply.node_id)
         return without_arrays(reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Commit the folded slices (scalable aggregation unless ``fedfa-scaling=false``)."""
+        """Commit the folded slices (scalable aggregation unless ``fedfa-scaling=false``).
+
+        The round record gets, besides the slices: ``capped_layers`` and
+        ``late_capped_layers`` (factors held at ``fedfa-max-factor``),
+        ``norm_bounded_layers`` (client layers scaled by their full norm: values
+        above the percentile), ``unreferenced_layers`` (layers with no reference,
+        factor 1) and ``clipped`` (updates whose statistics were clipped).
+        """
+        if not self.options.scaling:
+            return super().aggregate(ctx, replies)
         accumulator, self._round = self._round, None
+        senders, self._senders = self._senders, []
         if accumulator is None or accumulator.count == 0:
             raise AggregationError("nothing to aggregate: no reply was folded")
         new = accumulator.result()
@@ -186,16 +236,67 @@ class FedFAStrategy(SubModelStrategy):
                 f"the aggregate has non-finite values in {bad[:3]}; it is not shipped and "
                 "the global model keeps its weights"
             )
+        report = accumulator.report()
         self.models.arrays[self.global_name] = new
-        out: dict[str, Any] = {"slices": slice_counts(replies)}
-        if isinstance(accumulator, ScalableAccumulator):
-            out["capped_layers"] = accumulator.capped
-            out["late_capped_layers"] = accumulator.late_caps
-        return out
+        self.references = {**self.references, **accumulator.references}
+        self.statistics_report = report
+        clipped = [
+            {
+                "node": senders[c.position] if c.position < len(senders) else None,
+                "arch": self.global_name,
+                "kind": c.kind,
+                "distance": c.distance,
+                "bound": c.bound,
+            }
+            for c in report.clips
+        ]
+        for clip in clipped:
+            log.info(
+                "node %s: %s clipped from distance %.4g to %.4g (fedfa, clip-factor %g)",
+                clip["node"],
+                clip["kind"],
+                clip["distance"],
+                clip["bound"],
+                self.env.run.clip_factor,
+            )
+        return {
+            "slices": slice_counts(replies),
+            "capped_layers": accumulator.capped,
+            "late_capped_layers": accumulator.late_caps,
+            "norm_bounded_layers": accumulator.norm_bounded,
+            "unreferenced_layers": accumulator.unreferenced,
+            "clipped": clipped,
+        }
 
     def discard(self, ctx: RoundContext) -> None:
         """Drop this round's aggregate; the global model stays as it was."""
         self._round = None
+        self._senders = []
+        super().discard(ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the sub-model state plus the layers' references and the statistics' scale."""
+        report = self.statistics_report
+        return {
+            **super().state_dict(),
+            "fedfa_references": dict(self.references),
+            "fedfa_statistics_scale": {} if report is None else dict(report.medians),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the sub-model state, the references and the statistics' scale."""
+        super().load_state_dict(state)
+        self.references = {
+            str(k): float(v)
+            for k, v in state.get("fedfa_references", {}).items()
+            if math.isfinite(float(v)) and float(v) > 0
+        }
+        scale = {
+            str(k): float(v)
+            for k, v in state.get("fedfa_statistics_scale", {}).items()
+            if math.isfinite(float(v)) and float(v) > 0
+        }
+        self.statistics_report = AccumulatorReport(medians=scale) if scale else None
 
 
 SCHEME = register_scheme(

@@ -157,16 +157,73 @@ class GroupModels:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        arrays = state.get("arrays", state)  # older checkpoints hold the arrays only
-        self.arrays = {
-            str(arch): {str(k): np.asarray(v) for k, v in group.items()}
-            for arch, group in arrays.items()
-        }
-        self.reports = {
-            str(arch): AccumulatorReport(medians={str(k): float(d) for k, d in medians.items()})
-            for arch, medians in (state.get("medians", {}) if "arrays" in state else {}).items()
-        }
+        """Restore :meth:`state_dict`, after checking all of it against the architectures.
+
+        Each group's arrays must have exactly the names, shapes and dtypes of
+        ``initial(arch)`` and be finite; each median distance must be an entry kind
+        (``"parameters"``, ``"statistics"``) of a restored group mapped to a finite
+        number > 0 and at most :data:`~tessera.state_checks.MEDIAN_LIMIT` times the
+        norm of the group's weights (at least 1), so a restored clip bound is
+        never switched off. Nothing is restored unless everything passes.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import field_of, refusal
+        from tessera.state_checks import (
+            MEDIAN_KINDS,
+            MEDIAN_LIMIT,
+            StateFileError,
+            arrays_problem,
+            get_mapping,
+            positive_float,
+        )
+
+        where = field_of(state, "group_models")
+        legacy = "arrays" not in state  # older checkpoints hold the arrays only
+        try:
+            groups = state if legacy else get_mapping(state, "arrays", where=where)
+            arrays: dict[str, dict[str, np.ndarray]] = {}
+            for arch, group in groups.items():
+                field = f"{where}.{arch}" if legacy else f"{where}.arrays.{arch}"
+                try:
+                    expected = self.initial(arch)
+                except Exception as err:  # an unknown name fails in the model registry
+                    raise StateFileError(
+                        field, f"names architecture '{arch}', which this run cannot build ({err})"
+                    ) from err
+                problem = arrays_problem(group, expected, where=field)
+                if problem is not None:
+                    raise problem
+                arrays[arch] = {str(k): np.asarray(v) for k, v in group.items()}
+            reports: dict[str, AccumulatorReport] = {}
+            saved = {} if legacy else get_mapping(state, "medians", where=where, default={})
+            for arch in saved:
+                field = f"{where}.medians.{arch}"
+                if arch not in arrays:
+                    raise StateFileError(field, f"is for '{arch}', which has no arrays")
+                kinds = get_mapping(saved, arch, where=f"{where}.medians")
+                norm = float(
+                    np.sqrt(
+                        sum(np.sum(np.square(v, dtype=np.float64)) for v in arrays[arch].values())
+                    )
+                )
+                limit = MEDIAN_LIMIT * max(1.0, norm)
+                restored: dict[str, float] = {}
+                for kind, value in kinds.items():
+                    if kind not in MEDIAN_KINDS:
+                        raise StateFileError(
+                            f"{field}.{kind}",
+                            f"is not an entry kind; expected one of {MEDIAN_KINDS}",
+                        )
+                    restored[kind] = positive_float(value, where=f"{field}.{kind}", maximum=limit)
+                reports[arch] = AccumulatorReport(medians=restored)
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.arrays = arrays
+        self.reports = reports
         self._pending = {}
         self._senders = {}
 
@@ -178,7 +235,7 @@ def without_arrays(reply: ClientReply) -> ClientReply:
 
 
 def fold_weights(models: GroupModels, reply: ClientReply) -> ClientReply:
-    """Fold a validated reply's weights (example-weighted) and return it without them.
+    """Fold a validated reply's weights (at its capped :attr:`ClientReply.weight`); drop them.
 
     Raises
     ------
@@ -187,5 +244,5 @@ def fold_weights(models: GroupModels, reply: ClientReply) -> ClientReply:
     """
     if reply.arrays is None:
         raise ValueError(f"node {reply.node_id} sent no weights")
-    models.fold(reply.arch, reply.arrays, float(reply.num_examples), node=reply.node_id)
+    models.fold(reply.arch, reply.arrays, reply.weight, node=reply.node_id)
     return without_arrays(reply)

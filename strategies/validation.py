@@ -51,11 +51,23 @@ class ClientReply:
     content: RecordDict
     bytes_up: int
     bytes_down: int
+    max_weight: float | None = None
 
     @property
     def num_examples(self) -> int:
         """Training examples the node used this round."""
         return int(self.metrics[wire.NUM_EXAMPLES])
+
+    @property
+    def weight(self) -> float:
+        """What the reply weighs in an example-weighted aggregate.
+
+        Its claimed ``num-examples``, capped at ``max_weight`` (its own handshake
+        ``num-train``, and a multiple of the cohort's median ``num-train``: see
+        :class:`ReplyLimits`) when the round set one.
+        """
+        claimed = float(self.num_examples)
+        return claimed if self.max_weight is None else min(claimed, self.max_weight)
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,16 @@ class ReplyLimits:
         epochs (no node outweighs what it reported).
     max_test_examples : int
         Its test-set size.
+    max_weight : float | None
+        The most its reply may weigh in an example-weighted aggregate (``None``: its
+        claimed ``num-examples``): its handshake ``num-train``, and at most
+        ``weight-cap`` times the median ``num-train`` of the round's cohort (a bound
+        set by the cohort, which a minority cannot move, not by the node itself).
     """
 
     max_examples: int
     max_test_examples: int
+    max_weight: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,32 @@ class Rejection:
     node_id: int
     reason: str
     details: dict[str, str] = field(default_factory=dict)
+
+
+def weight_caps(num_train: Mapping[int, int], cap: float) -> dict[int, float | None]:
+    """Per node, the most its reply may weigh (see :class:`ReplyLimits`).
+
+    Parameters
+    ----------
+    num_train : Mapping[int, int]
+        The handshake ``num-train`` of each node of the round's cohort.
+    cap : float
+        Run-config ``weight-cap``: multiple of the cohort's (lower) median
+        ``num-train`` no node may weigh more than; ``0`` leaves only each node's own
+        ``num-train`` as its cap.
+
+    Returns
+    -------
+    dict[int, float | None]
+        Node id to ``min(num_train[node], cap x median)``.
+    """
+    if not num_train:
+        return {}
+    ordered = sorted(num_train.values())
+    median = float(ordered[(len(ordered) - 1) // 2])
+    return {
+        node: float(n) if cap <= 0 else min(float(n), cap * median) for node, n in num_train.items()
+    }
 
 
 def short_reason(reason: str, limit: int = 300) -> str:
@@ -255,4 +299,5 @@ def validate_reply(
         content=content,
         bytes_up=wire.payload_bytes(content),
         bytes_down=bytes_down.get(node_id, 0),
+        max_weight=None if limit is None else limit.max_weight,
     )

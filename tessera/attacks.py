@@ -9,14 +9,17 @@ the server computes it too, only to record it (``config.json``, and which select
 nodes attacked in each round). In deployment a node attacks when its node-config
 ``attack`` says so, and the server does not know.
 
-The hostile behaviours themselves live in :mod:`client_app.attacks`.
+The hostile behaviours themselves live in :mod:`client_app.attacks`, their maths in
+:mod:`tessera.attack_math`. The omniscient attacks (:data:`~tessera.config.OMNISCIENT_ATTACKS`)
+need the round's honest updates, which only the in-process grid can show a node: a
+real run refuses them (:func:`require_client_side`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tessera.config import RunConfig
+from tessera.config import OMNISCIENT_ATTACKS, ConfigError, RunConfig
 
 ATTACK_STREAM = 0xA77AC
 """Second seed word of the attack draw (keeps it apart from every other seeded draw)."""
@@ -52,3 +55,30 @@ def attack_assignment(run: RunConfig, num_partitions: int) -> dict[int, str]:
         return {}
     drawn = attacked_partitions(num_partitions, run.attack_fraction, run.seed)
     return {p: run.attack[i % len(run.attack)] for i, p in enumerate(drawn)}
+
+
+def require_client_side(run: RunConfig) -> None:
+    """Refuse attacks a real simulation or deployment cannot run.
+
+    Parameters
+    ----------
+    run : RunConfig
+        The run's configuration.
+
+    Raises
+    ------
+    ConfigError
+        If run-config ``attack`` names an omniscient attack (ALIE, IPM, min-max,
+        min-sum, Mimic): it forges its update from the honest updates of the round,
+        which only the in-process harness can show it.
+    """
+    omniscient = [a for a in run.attack if a in OMNISCIENT_ATTACKS]
+    if omniscient:
+        raise ConfigError(
+            f"run-config key 'attack' names {', '.join(omniscient)}, which forge their "
+            "update from the honest updates of the round: a real simulation or deployment "
+            "cannot show a node those. Run them in the in-process harness "
+            "(benchmarks/robustness.py, tessera.local_grid.LocalGrid with "
+            "client_app.attacks.install_omniscient), or use client-side attacks here "
+            "(e.g. dense-scale, bound-riding, ratchet, inflate)"
+        )

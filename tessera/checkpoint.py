@@ -5,7 +5,13 @@ arrays. :func:`save_state` writes it to one ``.npz`` file whose entry ``__tree__
 holds the structure as JSON, with every array replaced by a reference to an entry
 ``a<k>``. The file is written to a temporary name, flushed to disk and renamed over
 the old one, so a crash leaves either the previous file or the new one, never a
-mixture. :func:`load_state` reads it back with ``allow_pickle=False``.
+mixture. :func:`load_state` reads it back with ``allow_pickle=False``, after
+bounding every entry's size by the file's own (:func:`tessera.state_checks.read_npz`:
+a small file cannot make it decompress or allocate more), and checks that the JSON
+structure and its array references are well formed. The mappings it returns are
+:class:`StateTree` objects that know their file and field, so the code that checks
+a field's value against its schema (``HeteroStrategy.load_state_dict``,
+``GroupModels.load_state_dict``) names both in a :class:`CheckpointError`.
 
 Used by the server's checkpoints (:mod:`strategies.base`) and by node state that
 must survive a device restart (:mod:`tessera.node_state`).
@@ -22,13 +28,63 @@ from typing import Any
 
 import numpy as np
 
+from tessera.config import ConfigError
+from tessera.state_checks import StateFileError, read_npz
+
 TREE = "__tree__"
 ARRAY_TAG = "__array__"
 FORMAT = 1
+FIX = (
+    "the file is damaged, edited or not a checkpoint of this Tessera version: resume "
+    "from the results folder of an intact run, or start afresh without run-config 'resume'"
+)
+"""What to do about a checkpoint that fails a check (the end of every such message)."""
 
 
-class CheckpointError(ValueError):
-    """A state file is missing, unreadable or of another format."""
+class CheckpointError(ConfigError):
+    """A state file is missing, unreadable, of another format, or fails its schema.
+
+    A :class:`~tessera.config.ConfigError`: the file to resume from is named by
+    run-config ``resume``.
+    """
+
+
+class StateTree(dict[str, Any]):
+    """A mapping read from a state file that knows where it came from.
+
+    Parameters
+    ----------
+    items : Mapping[str, Any]
+        The entries.
+    source : str
+        The file (its path, or what the bytes were).
+    field : str
+        The mapping's own field in the file (``""`` for the root,
+        ``"group_models.arrays"`` for a nested one).
+    """
+
+    def __init__(self, items: Mapping[str, Any], *, source: str, field: str) -> None:
+        super().__init__(items)
+        self.source = source
+        self.field = field
+
+
+def source_of(state: Mapping[str, Any], default: str = "the checkpoint") -> str:
+    """Return the file ``state`` was read from (``default`` for a mapping built in memory)."""
+    return state.source if isinstance(state, StateTree) else default
+
+
+def field_of(state: Mapping[str, Any], default: str = "") -> str:
+    """Return the field ``state`` sits at in its file (``default`` if it was built in memory)."""
+    return state.field if isinstance(state, StateTree) else default
+
+
+def refusal(state: Mapping[str, Any], err: StateFileError) -> CheckpointError:
+    """Return the :class:`CheckpointError` for a failed check of (part of) ``state``.
+
+    The message names the file, the field and :data:`FIX`.
+    """
+    return CheckpointError(f"checkpoint {source_of(state)}: {err}; {FIX}")
 
 
 def _flatten(value: Any, arrays: list[np.ndarray]) -> Any:
@@ -53,13 +109,33 @@ def _flatten(value: Any, arrays: list[np.ndarray]) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in a state file")
 
 
-def _inflate(value: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+def _inflate(
+    value: Any, arrays: Mapping[str, np.ndarray], used: set[str], *, source: str, field: str
+) -> Any:
+    """Replace array references by the arrays; check each reference (raises StateFileError)."""
     if isinstance(value, dict):
-        if set(value) == {ARRAY_TAG}:
-            return arrays[f"a{value[ARRAY_TAG]}"]
-        return {k: _inflate(v, arrays) for k, v in value.items()}
+        if ARRAY_TAG in value:
+            ref = value[ARRAY_TAG]
+            name = f"a{ref}" if isinstance(ref, int) and not isinstance(ref, bool) else None
+            if len(value) != 1 or name not in arrays:
+                raise StateFileError(
+                    field, f"refers to array {ref!r}, which the file does not hold"
+                )
+            used.add(name)
+            return arrays[name]
+        return StateTree(
+            {
+                k: _inflate(v, arrays, used, source=source, field=f"{field}.{k}" if field else k)
+                for k, v in value.items()
+            },
+            source=source,
+            field=field,
+        )
     if isinstance(value, list):
-        return [_inflate(v, arrays) for v in value]
+        return [
+            _inflate(v, arrays, used, source=source, field=f"{field}[{i}]")
+            for i, v in enumerate(value)
+        ]
     return value
 
 
@@ -78,28 +154,51 @@ def state_to_bytes(state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def state_from_bytes(data: bytes, *, what: str = "state") -> dict[str, Any]:
+def state_from_bytes(data: bytes, *, what: str = "state") -> StateTree:
     """Inverse of :func:`state_to_bytes`.
+
+    Every entry's size is bounded by ``len(data)`` before it is read; the structure
+    must be JSON of this format whose array references all exist, and every array
+    must be referenced. The values of the fields are the reader's to check.
 
     Raises
     ------
     CheckpointError
-        If the bytes are not a state file of this format.
+        If the bytes are not a state file of this format; the message names ``what``.
     """
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-        document = json.loads(bytes(arrays.pop(TREE)).decode("utf-8"))
-    except Exception as err:
-        raise CheckpointError(f"{what} cannot be read ({type(err).__name__}: {err})") from err
+        arrays = read_npz(data)
+        if TREE not in arrays:
+            raise StateFileError(TREE, "is missing: this is not a Tessera state file")
+        raw = arrays.pop(TREE)
+        if raw.dtype != np.uint8 or raw.ndim != 1:
+            raise StateFileError(TREE, f"is {raw.dtype} {raw.shape}; expected uint8 bytes")
+        document = json.loads(raw.tobytes().decode("utf-8"))
+    except StateFileError as err:
+        raise CheckpointError(f"{what} cannot be read: {err}; {FIX}") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(
+            f"{what} cannot be read: its structure is not JSON ({type(err).__name__}: {err}); {FIX}"
+        ) from err
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise CheckpointError(
             f"{what} has format {document.get('format') if isinstance(document, dict) else '?'}"
             f", this version reads format {FORMAT}"
         )
-    tree = _inflate(document["tree"], arrays)
-    if not isinstance(tree, dict):
-        raise CheckpointError(f"{what} does not hold a mapping")
+    if not isinstance(document.get("tree"), dict):
+        raise CheckpointError(f"{what} does not hold a mapping; {FIX}")
+    used: set[str] = set()
+    try:
+        tree = _inflate(document["tree"], arrays, used, source=what, field="")
+    except StateFileError as err:
+        raise CheckpointError(f"{what}: {err}; {FIX}") from err
+    except RecursionError as err:
+        raise CheckpointError(f"{what} is nested too deeply to be a checkpoint; {FIX}") from err
+    if not isinstance(tree, StateTree):
+        raise CheckpointError(f"{what} holds one array, not a mapping; {FIX}")
+    unused = sorted(set(arrays) - used)
+    if unused:
+        raise CheckpointError(f"{what} holds arrays {unused[:3]} that nothing refers to; {FIX}")
     return tree
 
 
@@ -131,7 +230,7 @@ def save_state(path: Path, state: Mapping[str, Any]) -> int:
     return len(data)
 
 
-def load_state(path: Path) -> dict[str, Any]:
+def load_state(path: Path) -> StateTree:
     """Read a state written by :func:`save_state`.
 
     Raises
@@ -141,4 +240,8 @@ def load_state(path: Path) -> dict[str, Any]:
     """
     if not path.is_file():
         raise CheckpointError(f"no state file at {path}")
-    return state_from_bytes(path.read_bytes(), what=str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({err}); check its permissions") from err
+    return state_from_bytes(data, what=str(path))

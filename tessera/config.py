@@ -34,8 +34,119 @@ into a square one-channel image (2-d convolutions)."""
 KNOWLEDGE_MERGES = ("mean", "median", "trimmed-mean")
 """How per-client knowledge (class features/logits, kernels) is merged: run-config
 ``knowledge-merge``."""
-ATTACKS = ("label-flip", "backdoor", "boost", "sign-flip", "noise", "free-rider")
+ATTACKS = (
+    "label-flip",
+    "backdoor",
+    "boost",
+    "sign-flip",
+    "noise",
+    "free-rider",
+    "alie",
+    "ipm",
+    "min-max",
+    "min-sum",
+    "mimic",
+    "dense-scale",
+    "bound-riding",
+    "ratchet",
+    "inflate",
+)
 """Hostile behaviours of the attack harness (run-config/node-config ``attack``)."""
+OMNISCIENT_ATTACKS = ("alie", "ipm", "min-max", "min-sum", "mimic")
+"""Attacks that forge their update from the honest updates of the round (as in the
+papers): only the in-process grid can show them those (:mod:`client_app.attacks`),
+so a real simulation or deployment refuses them. ``bound-riding`` is omniscient in
+the in-process grid and uses its own update elsewhere."""
+ATTACK_PERTURBATIONS = ("std", "sign", "unit")
+"""Min-max/min-sum perturbation directions (run-config ``attack-perturbation``)."""
+
+MAX_ROUNDS = 100_000
+"""Largest number of rounds any round-counting key accepts."""
+MAX_NODES = 100_000
+"""Largest number of nodes any node-counting key accepts (a fleet of 1e5 nodes)."""
+MAX_FLOAT32 = 1e38
+"""Largest magnitude a float32 weight holds with room to spare (float32 max 3.4e38)."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The range a numeric run-config key, or each item of a comma-separated list, lies in.
+
+    Attributes
+    ----------
+    high : float
+        Largest accepted value.
+    fix : str
+        What to do instead, for the error message.
+    low : float or None
+        Smallest accepted value; ``None`` where the key's own check (in
+        :meth:`RunConfig.validate` or the scheme's options) gives the lower bound.
+    """
+
+    high: float
+    fix: str
+    low: float | None = None
+
+    def check(self, key: str, raw: object, value: float) -> None:
+        """Raise :class:`ConfigError` naming ``key``, ``raw`` and the fix if out of range."""
+        if self.low is not None and not self.low <= value <= self.high:
+            raise ConfigError(
+                f"run-config key '{key}' has value {raw!r}, outside "
+                f"[{self.low:g}, {self.high:g}]: {self.fix}"
+            )
+        if value > self.high:
+            raise ConfigError(
+                f"run-config key '{key}' has value {raw!r}, above the largest accepted "
+                f"{self.high:g}: {self.fix}"
+            )
+
+
+LIMITS: dict[str, Limit] = {
+    # rounds and round counts
+    "num-server-rounds": Limit(MAX_ROUNDS, f"use 1 to {MAX_ROUNDS} rounds"),
+    "max-failed-rounds": Limit(MAX_ROUNDS, f"use 1 to {MAX_ROUNDS} skipped rounds"),
+    "checkpoint-every": Limit(MAX_ROUNDS, f"use 0 (never) to {MAX_ROUNDS} rounds"),
+    "align-every": Limit(MAX_ROUNDS, f"use 1 to {MAX_ROUNDS} rounds"),
+    "cvae-interval": Limit(MAX_ROUNDS, f"use 1 to {MAX_ROUNDS} rounds"),
+    "cvae-history": Limit(MAX_ROUNDS, f"use 0 (all rounds) to {MAX_ROUNDS} rounds"),
+    "ensemble-tune-every": Limit(MAX_ROUNDS, f"use 0 (last round only) to {MAX_ROUNDS}"),
+    # node counts
+    "min-nodes": Limit(MAX_NODES, f"use 1 to {MAX_NODES} nodes"),
+    "min-train-nodes": Limit(MAX_NODES, f"use 1 to {MAX_NODES} nodes"),
+    "min-replies": Limit(MAX_NODES, f"use 1 to {MAX_NODES} replies"),
+    "krum-byzantine": Limit(MAX_NODES, f"use 0 to {MAX_NODES} hostile nodes to tolerate"),
+    # data and model sizes
+    "classes-per-client": Limit(100_000, "use 1 to 100000 classes"),
+    "local-epochs": Limit(1_000, "use 1 to 1000 local epochs"),
+    "batch-size": Limit(65_536, "use a batch size of 1 to 65536"),
+    "rad-size": Limit(1_000_000, "use at most 1000000 samples (capped at the server pool)"),
+    "rad-batch": Limit(1_000_000, "use 0 (the whole RAD) or at most 1000000 rows"),
+    "feature-dim": Limit(65_536, "use a feature size of 1 to 65536"),
+    "cvae-latent-dim": Limit(65_536, "use a size of 1 to 65536"),
+    "cvae-hidden-dim": Limit(65_536, "use a width of 1 to 65536"),
+    "cvae-epochs": Limit(100_000, "use 1 to 100000 epochs"),
+    "cvae-samples": Limit(100_000, "use 1 to 100000 samples per class"),
+    # optimiser budgets
+    "ensemble-trials": Limit(100_000, "use 1 to 100000 trials per search, e.g. 50"),
+    "ensemble-gradient-steps": Limit(10_000_000, "use 1 to 10000000 steps, e.g. 500"),
+    # attack harness
+    "attack-inflate": Limit(10**9, "use a factor of 1 to 1000000000, e.g. 1000"),
+    # fractions of a distribution and sub-model widths
+    "fedfa-percentile": Limit(
+        100.0, "use a percentile in [50, 100] (the share of values kept), e.g. 95", low=50.0
+    ),
+    "submodel-widths": Limit(
+        1.0,
+        "give width ratios in [1/64, 1] separated by commas, e.g. '1,0.5,0.25,0.125' "
+        "(a slice narrower than 1/64 has no channel left in most layers)",
+        low=1 / 64,
+    ),
+}
+"""The range each bounded run-config key accepts, declared once: every
+:class:`ConfigReader` applies it when it reads the key, whichever module reads it.
+Every integer key has an upper bound (``seed`` has its own two-sided range); a
+string key listed here is a comma-separated list whose every item is a number in
+the range."""
 
 
 class ConfigError(ValueError):
@@ -116,12 +227,16 @@ class ConfigReader:
             return default
         raw = self._values[key]
         try:
-            return _convert(raw, kind)
+            value = _convert(raw, kind)
         except (TypeError, ValueError) as err:
             raise ConfigError(
                 f"{self._source} key '{key}' has value {raw!r}, which is not a valid "
                 f"{kind.__name__}; {err}"
             ) from err
+        limit = LIMITS.get(key) if self._source == "run-config" else None
+        if limit is not None:
+            _check_limit(key, raw, value, limit)
+        return value
 
     def optional_str(self, key: str) -> str | None:
         """Return a string value, or ``None`` when absent or empty."""
@@ -159,16 +274,65 @@ def _convert(raw: Any, kind: type[T]) -> T:
     return str(raw)  # type: ignore[return-value]
 
 
+def _check_limit(key: str, raw: object, value: object, limit: Limit) -> None:
+    """Apply ``limit`` to a number, or to each item of a comma-separated list."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        limit.check(key, raw, value)
+        return
+    items = parse_csv(str(value), key=key)
+    for item in items:
+        try:
+            number = float(item)
+        except ValueError:
+            raise ConfigError(
+                f"run-config key '{key}' has value {raw!r}: item {item!r} is not a number; "
+                f"{limit.fix}"
+            ) from None
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"run-config key '{key}' has value {raw!r}: item {item!r} is not finite; "
+                f"{limit.fix}"
+            )
+        limit.check(key, raw, number)
+
+
 def _require(condition: bool, key: str, value: object, fix: str) -> None:
     if not condition:
         raise ConfigError(f"run-config key '{key}' has invalid value {value!r}: {fix}")
 
 
-def parse_csv(value: str | None) -> tuple[str, ...]:
-    """Split a comma-separated config value into stripped, non-empty items."""
-    if not value:
+def parse_csv(value: str | None, *, key: str = "value") -> tuple[str, ...]:
+    """Split a comma-separated config value into stripped items.
+
+    Parameters
+    ----------
+    value : str or None
+        The raw text; ``None`` or blank gives ``()``.
+    key : str, optional
+        The run-config key, for the error message.
+
+    Returns
+    -------
+    tuple[str, ...]
+        The items, stripped.
+
+    Raises
+    ------
+    ConfigError
+        If an item is empty (``"a,,b"``, ``",,,"``, a trailing comma): a list with a
+        hole is a typo, not "nothing".
+    """
+    if value is None or not value.strip():
         return ()
-    return tuple(item.strip() for item in value.split(",") if item.strip())
+    items = tuple(item.strip() for item in value.split(","))
+    if not all(items):
+        raise ConfigError(
+            f"run-config key '{key}' has value {value!r}, which has an empty name; "
+            "separate names with single commas, e.g. 'a,b', or leave it empty"
+        )
+    return items
 
 
 @dataclass(frozen=True)
@@ -221,6 +385,14 @@ class RunConfig:
     attack_lambda: float
     attack_scale: float
     attack_noise: float
+    attack_z: float
+    attack_epsilon: float
+    attack_perturbation: str
+    attack_magnitude: float
+    attack_inflate: int
+    weight_cap: float
+    bound_growth: float
+    clip_ceiling: float
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -273,7 +445,9 @@ class RunConfig:
             node_wait_timeout=r.get("node-wait-timeout", float),
             train_time_budget=r.get("train-time-budget", float),
             memory_fraction=r.get("memory-fraction", float),
-            sim_device_profiles=parse_csv(r.optional_str("sim-device-profiles")),
+            sim_device_profiles=parse_csv(
+                r.optional_str("sim-device-profiles"), key="sim-device-profiles"
+            ),
             output_dir=r.get("output-dir", str),
             run_name=r.optional_str("run-name"),
             fraction_train=r.get("fraction-train", float),
@@ -289,17 +463,28 @@ class RunConfig:
             clip_norm=r.get("clip-norm", float),
             clip_factor=r.get("clip-factor", float),
             knowledge_merge=r.get("knowledge-merge", str).strip().lower(),
-            attack=parse_csv(r.optional_str("attack")),
+            attack=tuple(a.lower() for a in parse_csv(r.optional_str("attack"), key="attack")),
             attack_fraction=r.get("attack-fraction", float),
             attack_lambda=r.get("attack-lambda", float),
             attack_scale=r.get("attack-scale", float),
             attack_noise=r.get("attack-noise", float),
+            attack_z=r.get("attack-z", float),
+            attack_epsilon=r.get("attack-epsilon", float),
+            attack_perturbation=r.get("attack-perturbation", str).strip().lower(),
+            attack_magnitude=r.get("attack-magnitude", float),
+            attack_inflate=r.get("attack-inflate", int),
+            weight_cap=r.get("weight-cap", float),
+            bound_growth=r.get("bound-growth", float),
+            clip_ceiling=r.get("clip-ceiling", float),
         )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         """Check ranges; raise :class:`ConfigError` naming the key and the fix."""
+        for key, value in self.to_dict().items():
+            if key in LIMITS and isinstance(value, (int, float)):
+                _check_limit(key, value, value, LIMITS[key])
         _require(
             self.num_server_rounds >= 1,
             "num-server-rounds",
@@ -473,6 +658,56 @@ class RunConfig:
             "use a non-negative standard deviation, e.g. 1.0",
         )
         _require(
+            self.attack_z >= 0,
+            "attack-z",
+            self.attack_z,
+            "use 0 (ALIE's z from the paper's formula) or a positive z, e.g. 1.5",
+        )
+        _require(
+            self.attack_epsilon > 0,
+            "attack-epsilon",
+            self.attack_epsilon,
+            "use a positive IPM factor, e.g. 0.5 (0.1 to 100 in the paper)",
+        )
+        _require(
+            self.attack_perturbation in ATTACK_PERTURBATIONS,
+            "attack-perturbation",
+            self.attack_perturbation,
+            f"use one of {', '.join(ATTACK_PERTURBATIONS)} (min-max/min-sum direction)",
+        )
+        _require(
+            0 < self.attack_magnitude <= MAX_FLOAT32,
+            "attack-magnitude",
+            self.attack_magnitude,
+            f"use a positive magnitude of at most {MAX_FLOAT32:g} (float32 weights stay "
+            "finite), e.g. 1e30",
+        )
+        _require(
+            1 <= self.attack_inflate <= LIMITS["attack-inflate"].high,
+            "attack-inflate",
+            self.attack_inflate,
+            LIMITS["attack-inflate"].fix,
+        )
+        _require(
+            self.weight_cap == 0 or self.weight_cap >= 1,
+            "weight-cap",
+            self.weight_cap,
+            "use 0 (no cap) or a multiple >= 1 of the cohort's median claimed training-set "
+            "size, e.g. 2",
+        )
+        _require(
+            self.bound_growth > 1,
+            "bound-growth",
+            self.bound_growth,
+            "use a factor > 1 by which the clip bound may move per round, e.g. 2",
+        )
+        _require(
+            self.clip_ceiling >= 0,
+            "clip-ceiling",
+            self.clip_ceiling,
+            "use 0 (off) or a non-negative multiple of the global model's norm, e.g. 4",
+        )
+        _require(
             bool(self.output_dir.strip()),
             "output-dir",
             self.output_dir,
@@ -506,7 +741,8 @@ class NodeConfig:
         personal model, scheme state); ``None`` keeps it in memory only.
     attack : str | None
         Makes this node hostile (the attack harness, :mod:`client_app.attacks`):
-        one of :data:`ATTACKS`.
+        one of :data:`ATTACKS` but the :data:`OMNISCIENT_ATTACKS`, which need the
+        round's honest updates and so the in-process grid.
     """
 
     partition_id: int | None
@@ -565,8 +801,16 @@ def _node_attack(value: str | None) -> str | None:
     if value is None:
         return None
     name = value.strip().lower()
+    client_side = [a for a in ATTACKS if a not in OMNISCIENT_ATTACKS]
+    if name in OMNISCIENT_ATTACKS:
+        raise ConfigError(
+            f"node-config 'attack' is '{value}', which forges its update from the honest "
+            "updates of the round: only the in-process harness (benchmarks/robustness.py) "
+            f"can run it; a node alone can run {', '.join(client_side)}"
+        )
     if name not in ATTACKS:
         raise ConfigError(
-            f"node-config 'attack' is '{value}'; use one of {', '.join(ATTACKS)} or leave it out"
+            f"node-config 'attack' is '{value}'; use one of {', '.join(client_side)} or "
+            "leave it out"
         )
     return name

@@ -10,6 +10,14 @@ The grid stands in for Flower's *simulation* grid: its :attr:`LocalGrid.simulati
 flag tells the strategies (``strategies.base``) to let clients emulate run-config
 ``sim-device-profiles``, as they do under ``flwr run`` in simulation.
 
+Omniscient attackers (the attack harness's ALIE, IPM, min-max, min-sum, Mimic and
+bound-riding, as in their papers) see the honest updates of the round before they
+send theirs. Only an in-process grid can show them those: :attr:`LocalGrid.omniscient`
+maps a node to a hook, and :meth:`LocalGrid.push_messages` handles every other node
+of a batch of train messages first, then hands each such node's own (honest) reply
+and the others' replies to its hook (:class:`BatchView`), and delivers the reply the
+hook forged. The hooks are built by ``client_app.attacks.install_omniscient``.
+
 This module sits below the apps (it never imports ``client_app`` or ``server_app``):
 the handlers are injected. Callers above the apps build them, e.g.::
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -30,8 +39,11 @@ from flwr.common.typing import Run
 from flwr.serverapp import Grid
 
 __all__ = [
+    "BatchView",
+    "Exchange",
     "Handler",
     "LocalGrid",
+    "OmniscientHook",
     "ReplyHook",
     "instruction",
     "make_context",
@@ -45,6 +57,52 @@ Handler = Callable[[Message, Context], Message]
 
 ReplyHook = Callable[[Message], Message | None]
 """A function that may replace a reply (``None`` keeps it)."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One delivered instruction and the reply its node's handler gave.
+
+    Attributes
+    ----------
+    node : int
+        The node's id.
+    instruction : Message
+        The server's message (the weights the node started from are in it).
+    reply : Message
+        The handler's reply, as it returned it (a :attr:`LocalGrid.tamper` hook that
+        changes replies in place changes it here too).
+    """
+
+    node: int
+    instruction: Message
+    reply: Message
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What an omniscient attacker sees of one batch of train messages.
+
+    Attributes
+    ----------
+    own : Exchange
+        The attacker's own exchange; its reply is what its ClientApp computed.
+    others : tuple[Exchange, ...]
+        The train exchanges of every node of the batch without an omniscient hook
+        whose handler did not fail, in push order. The hook decides which of them
+        it counts as honest (it may know other hostile nodes).
+    cohort : int
+        Train replies of the batch that are not errors, the attackers' included.
+    """
+
+    own: Exchange
+    others: tuple[Exchange, ...]
+    cohort: int
+
+
+OmniscientHook = Callable[[BatchView], Message | None]
+"""An omniscient attacker: forges its reply from a :class:`BatchView` (``None`` keeps
+its own reply)."""
 
 
 def make_context(
@@ -131,6 +189,9 @@ class LocalGrid(Grid):
         ``(node, message type)`` pairs that never get a reply.
     tamper : dict[int, ReplyHook]
         Per node, a function that may replace the node's train reply.
+    omniscient : dict[int, OmniscientHook]
+        Per node, an attacker that forges the node's train reply after seeing the
+        other nodes' replies of the same batch (applied before :attr:`tamper`).
     sent : list[Message]
         Every pushed message, in order.
     replies : list[Message]
@@ -144,6 +205,7 @@ class LocalGrid(Grid):
         self.handlers = dict(handlers)
         self.silent: set[tuple[int, str]] = set()
         self.tamper: dict[int, ReplyHook] = {}
+        self.omniscient: dict[int, OmniscientHook] = {}
         self.sent: list[Message] = []
         self.replies: list[Message] = []
         self._inbox: dict[str, Message] = {}
@@ -174,8 +236,14 @@ class LocalGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Deliver each message to its node's handler now; keep the reply for pulling."""
+        """Deliver each message to its node's handler now; keep the reply for pulling.
+
+        Train messages to nodes with an :attr:`omniscient` hook are handled after
+        all the others of the batch, and their replies forged by the hook.
+        """
         ids = []
+        others: list[Exchange] = []
+        deferred: list[Message] = []
         for msg in messages:
             stamp_pushed(msg)
             if msg.metadata.reply_to_message_id != "":
@@ -188,10 +256,21 @@ class LocalGrid(Grid):
             ids.append(msg.metadata.message_id)
             if (node, kind) in self.silent or node not in self.contexts:
                 continue
+            if kind == "train" and node in self.omniscient:
+                deferred.append(msg)
+                continue
             reply = self._handle(msg)
-            if kind == "train" and node in self.tamper:
-                reply = self.tamper[node](reply) or reply
-            self._inbox[msg.metadata.message_id] = reply
+            if kind == "train" and not reply.has_error():
+                others.append(Exchange(node, msg, reply))
+            self._deliver(msg, reply)
+        own = [Exchange(m.metadata.dst_node_id, m, self._handle(m)) for m in deferred]
+        cohort = len(others) + sum(not e.reply.has_error() for e in own)
+        for exchange in own:
+            reply = exchange.reply
+            if not reply.has_error():
+                view = BatchView(own=exchange, others=tuple(others), cohort=cohort)
+                reply = self.omniscient[exchange.node](view) or reply
+            self._deliver(exchange.instruction, reply)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
@@ -207,6 +286,13 @@ class LocalGrid(Grid):
         return list(self.pull_messages(self.push_messages(messages)))
 
     # helpers ----------------------------------------------------------------
+    def _deliver(self, msg: Message, reply: Message) -> None:
+        """Apply the node's :attr:`tamper` hook to a train reply; keep it for pulling."""
+        node = msg.metadata.dst_node_id
+        if msg.metadata.message_type == "train" and node in self.tamper:
+            reply = self.tamper[node](reply) or reply
+        self._inbox[msg.metadata.message_id] = reply
+
     def _handle(self, msg: Message) -> Message:
         node = msg.metadata.dst_node_id
         handler = self.handlers[msg.metadata.message_type]

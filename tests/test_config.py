@@ -9,6 +9,7 @@ import pytest
 
 from strategies import get_scheme, list_schemes
 from tessera.config import (
+    LIMITS,
     ConfigError,
     ConfigReader,
     NodeConfig,
@@ -242,14 +243,180 @@ def test_missing_key_without_default_raises_naming_it() -> None:
     ("text", "expected"),
     [
         ("a,b", ("a", "b")),
-        (" a , ,b ,", ("a", "b")),
+        (" a , b ", ("a", "b")),
         ("", ()),
+        ("  ", ()),
         (None, ()),
     ],
 )
 def test_parse_csv(text: str | None, expected: tuple[str, ...]) -> None:
     # Execute / Assert
     assert parse_csv(text) == expected
+
+
+@pytest.mark.parametrize("text", [",,,", "a,,b", "a,", " , a"])
+def test_parse_csv_refuses_empty_names(text: str) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"run-config key 'attack' has value .*empty name"):
+        parse_csv(text, key="attack")
+
+
+# ------------------------------------------------------------------------ upper bounds
+def integer_keys(defaults: dict[str, Any]) -> list[str]:
+    return [k for k, v in defaults.items() if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def test_every_integer_key_has_an_upper_bound(default_run_config: dict[str, Any]) -> None:
+    # Execute
+    unbounded = [k for k in integer_keys(default_run_config) if k not in LIMITS]
+
+    # Assert: seed has its own two-sided range; every other integer key is in LIMITS
+    assert unbounded == ["seed"]
+    for key in integer_keys(default_run_config):
+        if key != "seed":
+            assert default_run_config[key] <= LIMITS[key].high, key
+
+
+@pytest.mark.parametrize("key", sorted(k for k, v in LIMITS.items() if v.low is None))
+def test_an_integer_above_its_bound_is_refused_naming_key_value_and_fix(key: str) -> None:
+    # Prepare
+    limit = LIMITS[key]
+    reader = ConfigReader({key: int(limit.high) + 1}, "run-config")
+
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        reader.get(key, int)
+    message = str(info.value)
+    assert f"run-config key '{key}' has value {int(limit.high) + 1}" in message
+    assert f"above the largest accepted {limit.high:g}" in message
+    assert limit.fix in message
+    assert ConfigReader({key: int(limit.high)}, "run-config").get(key, int) == limit.high
+
+
+@pytest.mark.parametrize(
+    ("key", "limit"),
+    [
+        ("min-replies", "100000"),
+        ("krum-byzantine", "100000"),
+        ("num-server-rounds", "100000"),
+        ("batch-size", "65536"),
+        ("local-epochs", "1000"),
+    ],
+)
+def test_huge_integers_are_refused_by_the_run_config(
+    run_config: RunConfigFactory, key: str, limit: str
+) -> None:
+    # Execute / Assert: 1e308 is a whole number, so only the bound stops it
+    with pytest.raises(ConfigError, match=rf"'{key}' has value 1e\+308, above .* {limit}"):
+        RunConfig.from_flower(run_config({key: 1e308}))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key", "value", "fragment"),
+    [
+        ("ensemble", "ensemble-trials", 1e308, "above the largest accepted 100000"),
+        ("ensemble", "ensemble-gradient-steps", 10**8, "above the largest accepted 1e+07"),
+        ("fedhenn", "rad-size", 10**7, "above the largest accepted 1e+06"),
+        ("felo", "feature-dim", 10**6, "above the largest accepted 65536"),
+        ("fedfa", "fedfa-percentile", 1e-300, "outside [50, 100]"),
+        ("fedfa", "fedfa-percentile", 49.9, "outside [50, 100]"),
+        ("fedfa", "fedfa-percentile", 100.5, "outside [50, 100]"),
+        ("heterofl", "submodel-widths", "1,1e-300", "outside [0.015625, 1]"),
+        ("heterofl", "submodel-widths", "1,0.01", "outside [0.015625, 1]"),
+        ("heterofl", "submodel-widths", "1,2", "outside [0.015625, 1]"),
+        ("heterofl", "submodel-widths", "1,,0.5", "empty name"),
+        ("heterofl", "submodel-widths", "1,half", "item 'half' is not a number"),
+        ("heterofl", "submodel-widths", "1,nan", "item 'nan' is not finite"),
+    ],
+)
+def test_scheme_keys_are_bounded_where_they_are_read(
+    run_config: RunConfigFactory, strategy: str, key: str, value: Any, fragment: str
+) -> None:
+    # Prepare
+    config = run_config({"strategy": strategy, key: value})
+
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        get_scheme(strategy).parse_options(config)
+    assert f"run-config key '{key}'" in str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_bounds_themselves_are_accepted(run_config: RunConfigFactory) -> None:
+    # Prepare
+    config = run_config({"fedfa-percentile": 50.0, "submodel-widths": "1,0.015625"})
+
+    # Execute
+    fedfa = get_scheme("fedfa").parse_options(config)
+    heterofl = get_scheme("heterofl").parse_options(config)
+
+    # Assert
+    assert fedfa.percentile == 50.0
+    assert heterofl.widths == (1.0, 0.015625)
+
+
+@pytest.mark.parametrize("value", [",,,", "boost,", "boost,,noise"])
+def test_attack_list_with_an_empty_name_is_refused(
+    run_config: RunConfigFactory, value: str
+) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError, match=r"'attack' has value .*empty name"):
+        RunConfig.from_flower(run_config({"attack": value}))
+
+
+# ------------------------------------------------------- attack intensities, defence keys
+def test_new_keys_parse_from_the_defaults(default_run_config: dict[str, Any]) -> None:
+    # Execute
+    cfg = RunConfig.from_flower(default_run_config)
+
+    # Assert
+    assert (cfg.attack_z, cfg.attack_epsilon, cfg.attack_perturbation) == (0.0, 0.5, "std")
+    assert (cfg.attack_magnitude, cfg.attack_inflate) == (1e30, 1000)
+    assert (cfg.weight_cap, cfg.bound_growth, cfg.clip_ceiling) == (2.0, 2.0, 4.0)
+    assert cfg.to_dict()["weight-cap"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("attack-z", -0.5, "positive z"),
+        ("attack-epsilon", 0.0, "positive IPM factor"),
+        ("attack-perturbation", "gauss", "use one of std, sign, unit"),
+        ("attack-magnitude", 0.0, "at most 1e+38"),
+        ("attack-magnitude", 1e39, "at most 1e+38"),
+        ("attack-inflate", 0, "factor of 1 to 1000000000"),
+        ("attack-inflate", 10**10, "above the largest accepted 1e+09"),
+        ("weight-cap", 0.5, "0 (no cap) or a multiple >= 1"),
+        ("weight-cap", float("inf"), "finite"),
+        ("bound-growth", 1.0, "factor > 1"),
+        ("bound-growth", float("inf"), "finite"),
+        ("clip-ceiling", -1.0, "0 (off) or a non-negative multiple"),
+    ],
+)
+def test_new_keys_refuse_bad_values(
+    run_config: RunConfigFactory, key: str, value: Any, fragment: str
+) -> None:
+    # Execute / Assert
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_flower(run_config({key: value}))
+    assert f"'{key}'" in str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_zero_turns_weight_cap_and_clip_ceiling_off(run_config: RunConfigFactory) -> None:
+    # Execute
+    cfg = RunConfig.from_flower(run_config({"weight-cap": 0, "clip-ceiling": 0}))
+
+    # Assert
+    assert (cfg.weight_cap, cfg.clip_ceiling) == (0.0, 0.0)
+
+
+def test_node_config_refuses_omniscient_attacks() -> None:
+    # Execute / Assert: a node alone cannot see the honest updates of the round
+    with pytest.raises(ConfigError, match=r"'alie'.*in-process harness"):
+        NodeConfig.from_flower({"partition-id": 0, "num-partitions": 3, "attack": "alie"})
+    node = NodeConfig.from_flower({"partition-id": 0, "num-partitions": 3, "attack": "inflate"})
+    assert node.attack == "inflate"
 
 
 def test_node_config_with_partition() -> None:

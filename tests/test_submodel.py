@@ -349,25 +349,27 @@ def test_trimmed_norm_by_hand() -> None:
 
 
 def test_scaling_factors_for_a_three_client_cohort_by_hand() -> None:
-    # layer w: norms 5, 10, 15 -> mean 10 -> 2, 1, 2/3
-    # layer b: only the first two -> mean 3 -> 3/2, 3/4; a zero norm -> 1
+    # layer w: norms 5, 10, 15 -> reference: median of 5 and 10 (the largest left out)
+    # = 7.5 -> factors 1.5, 0.75, 0.5 (no client is scaled past the others' median)
+    # layer b: only the first two -> median of 2 = 2 -> 1, 1/2; a zero norm -> 1
     norms = [{"w": 5.0, "b": 2.0}, {"w": 10.0, "b": 4.0}, {"w": 15.0, "z": 0.0}]
     factors = scaling_factors(norms)
-    assert factors[0] == pytest.approx({"w": 2.0, "b": 1.5})
-    assert factors[1] == pytest.approx({"w": 1.0, "b": 0.75})
-    assert factors[2] == pytest.approx({"w": 2.0 / 3.0, "z": 1.0})
+    assert factors[0] == pytest.approx({"w": 1.5, "b": 1.0})
+    assert factors[1] == pytest.approx({"w": 0.75, "b": 0.5})
+    assert factors[2] == pytest.approx({"w": 0.5, "z": 1.0})
     with pytest.raises(AggregationError, match="norm"):
         scaling_factors([{"w": math.nan}])
 
 
 def test_scaling_factors_are_bounded_above_only() -> None:
-    # layer w: norms 0.002, 1.998, 28 -> mean 10: factors 5000 and 5.005 (bound 6), 10/28
+    # layer w: norms 0.002, 1.998, 28 -> reference median(0.002, 1.998) = 1.0:
+    # factors 500 (bound 6), 1 / 1.998, 1 / 28
     norms = [{"w": 0.002}, {"w": 1.998}, {"w": 28.0}]
     factors = scaling_factors(norms, max_factor=6.0)
-    assert factors[0]["w"] == 6.0  # 10 / 0.002 = 5000, bounded
-    assert factors[1]["w"] == pytest.approx(10.0 / 1.998)  # under the bound
-    assert factors[2]["w"] == pytest.approx(10.0 / 28.0)  # scaling down is not bounded
-    assert scaling_factors(norms)[0]["w"] == pytest.approx(5000.0)
+    assert factors[0]["w"] == 6.0  # 1 / 0.002 = 500, bounded
+    assert factors[1]["w"] == pytest.approx(1.0 / 1.998)  # under the bound
+    assert factors[2]["w"] == pytest.approx(1.0 / 28.0)  # scaling down is not bounded
+    assert scaling_factors(norms)[0]["w"] == pytest.approx(500.0)
     with pytest.raises(ValueError, match="max_factor"):
         scaling_factors(norms, max_factor=0.5)
 
@@ -378,7 +380,8 @@ def test_scalable_aggregation_of_updates_by_hand() -> None:
     a = {"w": np.array([4.0, 5.0])}
     b = {"w": np.array([7.0, 9.0, 1.0, 1.0])}
     c = {"w": np.array([1.0, 1.0, 10.0, 13.0])}
-    # norms 5, 10, 15 (percentile 100: every value) -> factors 2, 1, 2/3
+    # norms 5, 10, 15 (percentile 100: every value) -> reference median(5, 10) = 7.5
+    # -> factors 1.5, 0.75, 0.5
     assert [layer_norms(g, s, coverage_index(g, s), percentile=100) for s in (a, b, c)] == [
         {"w": 5.0},
         {"w": 10.0},
@@ -388,9 +391,9 @@ def test_scalable_aggregation_of_updates_by_hand() -> None:
     # Execute: examples 1, 1, 2
     out = scalable_aggregate(g, [a, b, c], [1, 1, 2], percentile=100)
 
-    # Assert: scaled updates [6, 8], [6, 8, 0, 0], [0, 0, 6, 8]; coverage [4, 4, 3, 3]
-    # -> 1 + [(6 + 6) / 4, (8 + 8) / 4, 2 * 6 / 3, 2 * 8 / 3]
-    np.testing.assert_allclose(out["w"], [4.0, 5.0, 5.0, 19.0 / 3.0])
+    # Assert: scaled updates [4.5, 6], [4.5, 6, 0, 0], [0, 0, 4.5, 6] (each of norm 7.5);
+    # coverage [4, 4, 3, 3] -> 1 + [(4.5 + 4.5) / 4, (6 + 6) / 4, 2 * 4.5 / 3, 2 * 6 / 3]
+    np.testing.assert_allclose(out["w"], [3.25, 4.0, 4.0, 5.0])
 
 
 def test_scalable_aggregation_of_weights_by_hand_at_the_95th_percentile() -> None:
@@ -411,9 +414,9 @@ def test_scalable_aggregation_of_weights_by_hand_at_the_95th_percentile() -> Non
     # Execute
     out = scalable_aggregate(g, clients, target="weights")
 
-    # Assert: trimmed norms 5, 10, 15 -> factors 2, 1, 2/3
-    # w: ([0, 6, 8, 100] + [0, 6, 8, 90] + [0, 6, 8, 400/3]) / 3
-    np.testing.assert_allclose(out["w"], [0.0, 6.0, 8.0, 970.0 / 9.0])
+    # Assert: trimmed norms 5, 10, 15 -> reference 7.5 -> factors 1.5, 0.75, 0.5
+    # w: ([0, 4.5, 6, 75] + [0, 4.5, 6, 67.5] + [0, 4.5, 6, 100]) / 3
+    np.testing.assert_allclose(out["w"], [0.0, 4.5, 6.0, 242.5 / 3.0])
     # statistics and counters are averaged, not scaled
     np.testing.assert_allclose(out["n.running_var"], [2.0, 2.0])
     assert int(out["n.num_batches_tracked"]) == 3
@@ -517,7 +520,9 @@ def fedfa_cohort(rng: np.random.Generator) -> tuple[dict[str, np.ndarray], list[
     g = random_global(rng)
     for key in [k for k in g if k.startswith("sections.") and k.split(".")[2] == "1"]:
         # a block like the one grafted onto it: a shallow reply's update stays its noise
-        g[key] = g[key.replace(".1.", ".0.", 1)].copy()
+        # (block 1 of section s copies block 0 of the same section)
+        section, _, rest = key.removeprefix("sections.").split(".", 2)
+        g[key] = g[f"sections.{section}.0.{rest}"].copy()
     cohort = [
         ((1.0, (2, 2)), 1.0, 5.0),
         ((1.0, (1, 1)), 0.2, 2.0),

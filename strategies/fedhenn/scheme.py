@@ -527,7 +527,7 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
 
     def _weights(self, replies: Sequence[ClientReply]) -> list[float]:
         if self.options.kbar_weights == "data":
-            return [float(r.num_examples) for r in replies]
+            return [r.weight for r in replies]
         if self.options.kbar_weights == "capacity":
             for r in replies:
                 self._feature_dim(r.arch)

@@ -7,14 +7,18 @@ It is :class:`strategies.aggregators.MeanAccumulator` (``clip_factor=0``) fed wi
 each sub-model's channel-prefix index: :func:`coverage_average` is that, for lists.
 
 Scalable aggregation (FedFA Algorithm 1, lines 12-22), per layer ``l`` (one
-state-dict entry) and client ``c`` of the ``m`` in the cohort::
+state-dict entry) and client ``c`` of the cohort, as built here::
 
-    n_c      = || values of M_c^(l) under the 95th percentile ||_2
-    alpha_c  = (1/m * sum_k n_k) / n_c
+    n_c      = || values of M_c^(l) under the 95th percentile ||_2   (the paper's norm)
+    e_c      = max(n_c, || M_c^(l) ||_2 / kappa)                    (n_c when kappa = 0)
+    rho      = median of the cohort's positive e_k, the largest left out
+    alpha_c  = min(rho / e_c, max_factor)
     M_G^(l)  = (sum_c N_c * alpha_c * M_c^(l)) / Gamma^(l)   (element-wise)
 
-with ``Gamma`` the example-weighted coverage. The text leaves two things open; the
-default reading and the alternative are both here.
+with ``Gamma`` the example-weighted coverage and ``kappa`` run-config
+``clip-factor``. The paper's factor is ``alpha_c = (1/m * sum_k n_k) / n_c``; the
+two changes (the reference ``rho`` and the bound ``e_c``) are FedFA's scaling made
+a bound, and are explained below after the two readings the text leaves open.
 
 **Weights or updates** (``target``). Default ``"updates"``: ``M_c`` is the client's
 update ``Delta_c = W_c - W_G[slice]``, scaled and added back, so the result is
@@ -42,16 +46,50 @@ the 2.5th and 97.5th percentiles, Appendix E's "central 95% of the weights").
 Percentiles are numpy's linear interpolation, and "under" is ``<=`` so that a
 constant tensor keeps every value.
 
+**The reference: never a norm that holds the client's own** (:func:`reference_norm`).
+The paper's cohort mean holds every client's own norm: one client of four sending
+its update times 100 raises the mean 25-fold, so every honest layer is scaled *up*
+(to ``max_factor``) and the attacker's comes out at the mean, 25 honest norms
+(measured on digits: accuracy 0.797 -> 0.281). ``rho``, the median of the
+positive norms with the largest left out, is the smallest of the leave-one-out
+medians ``median_{k != c} e_k``: no client is scaled to more than the median of
+the *others'* norms, however large its own, and a minority of clients can move
+``rho`` no further than the neighbouring order statistics of the honest norms. For
+an honest cohort the median is the typical magnitude the mean stands for (the
+paper's purpose, bringing every update to the cohort's scale, is kept). The exact
+per-client leave-one-out median would depend on which half of the cohort a client
+ends in, which a fold cannot know when the reply arrives; ``rho`` is one number per
+layer, equal to the leave-one-out median of every client in the upper half and
+never above anyone's, so the server still folds replies as they arrive in O(model).
+A layer that fewer than two clients moved has no others to compare with: it takes
+the reference of the last round that had one (``previous``), and without one its
+factor is 1 (counted as *unreferenced*).
+
+**Values hidden above the percentile** (:func:`effective_norm`). The trimmed norm
+ignores the largest 5 % of a layer's values by design, so a client that moves 4 %
+of every layer's coordinates to +-1e3 keeps an ordinary trimmed norm and factor ~1
+(measured: global max|w| 9970, accuracy 0.13). ``e_c >= ||M_c||_2 / kappa`` bounds
+the scaled update's *full* L2 norm by ``kappa * rho`` as well as its trimmed norm
+by ``rho``. An honest update's full norm is a small multiple of its trimmed one
+(1.18 for normal values at the 95th percentile), so with ``kappa = clip-factor =
+3`` its ``e_c`` is ``n_c`` and its factor the paper's. ``clip-factor = 0`` drops
+this bound (the paper's trimmed norm alone).
+
 Only learned floating parameters are scaled. Batch-norm running statistics (a
 variance times a factor is no variance) and integer entries (step counters) are
-averaged by coverage unscaled. A client whose norm is 0 for a layer (an update
-that did not move it) gets factor 1: its contribution is the same for any factor.
+folded by the injected :class:`~strategies.aggregators.Aggregator` (``statistics``:
+FedFA's run-config ``aggregator``, ``mean`` with ``clip-factor``), so each update's
+statistics are bounded to a multiple of the cohort's median distance from the
+global statistics, apart from the parameters, exactly as in every other scheme;
+without one (the list functions) they are a plain coverage average. A client whose
+``e_c`` is 0 (an update that did not move the layer) gets factor 1: its
+contribution is the same for any factor.
 
-Streaming: since ``alpha_c = mean_l / n_c``, the numerator is
-``mean_l * sum_c (N_c / n_c) M_c`` and ``Gamma`` is the plain coverage, so an
+Streaming: since ``alpha_c = rho / e_c``, the numerator is
+``rho * sum_c (N_c / e_c) M_c`` and ``Gamma`` is the plain coverage, so an
 accumulator can fold clients as they arrive keeping only the per-client norms and
-multiply by the cohort mean at the end: :class:`ScalableAccumulator` (what FedFA's
-server uses). The bound ``max_factor`` is not linear in the mean; how the
+multiply by ``rho`` at the end: :class:`ScalableAccumulator` (what FedFA's
+server uses). The bound ``max_factor`` is not linear in ``rho``; how the
 accumulator stays exact under it is in its docstring. The functions
 (:func:`scalable_aggregate`) take lists and are the reference it is tested against.
 """
@@ -59,13 +97,18 @@ accumulator stays exact under it is in its docstring. The functions
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
 
 from strategies.aggregation import AggregationError
 from strategies.aggregators import (
+    Accumulator,
+    AccumulatorReport,
+    Aggregator,
+    Clip,
     Coverage,
     EntrySums,
     Index,
@@ -145,6 +188,50 @@ def coverage_average(
     return accumulator.result()
 
 
+def norms_of(
+    values: np.ndarray, *, percentile: float = 95.0, trim: Trim = "magnitude"
+) -> tuple[float, float]:
+    """Return the trimmed L2 norm of ``values`` (:func:`trimmed_norm`) and their full one.
+
+    One float64 copy serves both: the full norm is taken before the trim.
+
+    Parameters
+    ----------
+    values : np.ndarray
+        One layer's values (any shape).
+    percentile : float
+        In ``(0, 100]``; 100 keeps every value.
+    trim : {"magnitude", "signed", "central"}
+        As :func:`trimmed_norm`.
+
+    Returns
+    -------
+    tuple[float, float]
+        ``(trimmed, full)``; ``(0.0, 0.0)`` for an empty array.
+    """
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile!r}; FedFA uses 95")
+    # one float64 copy, partitioned in place by the percentile and zeroed where trimmed:
+    # the norm only needs the multiset of kept values, not their order
+    if trim == "magnitude":
+        x = np.abs(np.asarray(values), dtype=np.float64).ravel()
+    else:
+        x = np.array(values, dtype=np.float64, copy=True).ravel()
+    if x.size == 0:
+        return 0.0, 0.0
+    full = math.sqrt(float(np.dot(x, x)))
+    if trim in ("magnitude", "signed"):
+        high = float(np.percentile(x, percentile, overwrite_input=True))
+        x[x > high] = 0.0
+    elif trim == "central":
+        tail = (100.0 - percentile) / 2.0
+        low, high = np.percentile(x, [tail, 100.0 - tail], overwrite_input=True)
+        x[(x < low) | (x > high)] = 0.0
+    else:
+        raise ValueError(f"trim must be one of {', '.join(TRIMS)}, got {trim!r}")
+    return math.sqrt(float(np.dot(x, x))), full
+
+
 def trimmed_norm(
     values: np.ndarray, *, percentile: float = 95.0, trim: Trim = "magnitude"
 ) -> float:
@@ -165,26 +252,58 @@ def trimmed_norm(
     float
         The norm, 0.0 for an empty array.
     """
-    if not 0 < percentile <= 100:
-        raise ValueError(f"percentile must be in (0, 100], got {percentile!r}; FedFA uses 95")
-    # one float64 copy, partitioned in place by the percentile and zeroed where trimmed:
-    # the norm only needs the multiset of kept values, not their order
-    if trim == "magnitude":
-        x = np.abs(np.asarray(values), dtype=np.float64).ravel()
-    else:
-        x = np.array(values, dtype=np.float64, copy=True).ravel()
-    if x.size == 0:
-        return 0.0
-    if trim in ("magnitude", "signed"):
-        high = float(np.percentile(x, percentile, overwrite_input=True))
-        x[x > high] = 0.0
-    elif trim == "central":
-        tail = (100.0 - percentile) / 2.0
-        low, high = np.percentile(x, [tail, 100.0 - tail], overwrite_input=True)
-        x[(x < low) | (x > high)] = 0.0
-    else:
-        raise ValueError(f"trim must be one of {', '.join(TRIMS)}, got {trim!r}")
-    return math.sqrt(float(np.dot(x, x)))
+    return norms_of(values, percentile=percentile, trim=trim)[0]
+
+
+def effective_norm(trimmed: float, full: float, clip_factor: float) -> float:
+    """Return the norm a client's layer is scaled by: ``max(trimmed, full / clip_factor)``.
+
+    The trimmed norm is FedFA's; the full norm over ``clip_factor`` bounds what the
+    trim leaves out (module docstring: values hidden above the percentile). With
+    ``clip_factor`` 0 the bound is off and the trimmed norm is returned.
+
+    Examples
+    --------
+    >>> effective_norm(2.0, 3.0, 3.0)  # an honest layer: the trimmed norm
+    2.0
+    >>> effective_norm(2.0, 300.0, 3.0)  # large values above the percentile
+    100.0
+    >>> effective_norm(2.0, 300.0, 0.0)
+    2.0
+    """
+    if not (clip_factor == 0 or clip_factor >= 1):
+        raise ValueError(f"clip_factor must be 0 (off) or at least 1, got {clip_factor!r}")
+    if clip_factor == 0:
+        return float(trimmed)
+    return max(float(trimmed), float(full) / clip_factor)
+
+
+def reference_norm(norms: Iterable[float]) -> float | None:
+    """Return the norm a layer's clients are scaled to: the smallest leave-one-out median.
+
+    That is the median of the positive ``norms`` with the largest left out: for every
+    client it is at most the median of the *other* clients' norms (module
+    docstring), so no client's own norm raises the scale it is compared with.
+
+    Returns
+    -------
+    float or None
+        The reference, or None when fewer than two norms are positive (a client
+        alone has no others to be compared with).
+
+    Examples
+    --------
+    >>> reference_norm([5.0, 10.0, 15.0])  # median of 5 and 10
+    7.5
+    >>> reference_norm([1.0, 1.0, 1.0, 100.0])  # one huge norm does not move it
+    1.0
+    >>> reference_norm([0.0, 4.0]) is None
+    True
+    """
+    positive = sorted(float(n) for n in norms if n > 0)
+    if len(positive) < 2:
+        return None
+    return float(statistics.median(positive[:-1]))
 
 
 def is_scaled(key: str, value: np.ndarray) -> bool:
@@ -220,36 +339,47 @@ def layer_norms(
     target: Target = "updates",
     percentile: float = 95.0,
     trim: Trim = "magnitude",
+    clip_factor: float = 0.0,
 ) -> dict[str, float]:
-    """Return, per scaled entry of one client's state, its trimmed L2 norm (line 12)."""
-    return {
-        key: trimmed_norm(
-            _values(key, value, global_state, index, target), percentile=percentile, trim=trim
-        )
-        for key, value in state.items()
-        if is_scaled(key, value)
-    }
+    """Return, per scaled entry of one client's state, its norm (line 12; :func:`effective_norm`).
+
+    With ``clip_factor`` 0 this is FedFA's trimmed L2 norm.
+    """
+    out: dict[str, float] = {}
+    for key, value in state.items():
+        if is_scaled(key, value):
+            values = _values(key, value, global_state, index, target)
+            trimmed, full = norms_of(values, percentile=percentile, trim=trim)
+            out[key] = effective_norm(trimmed, full, clip_factor)
+    return out
 
 
 def scaling_factors(
-    norms: Sequence[Mapping[str, float]], *, max_factor: float = math.inf
+    norms: Sequence[Mapping[str, float]],
+    *,
+    max_factor: float = math.inf,
+    previous: Mapping[str, float] | None = None,
 ) -> list[dict[str, float]]:
-    """Return FedFA's factor per client and layer: the cohort's mean norm over the client's.
+    """Return FedFA's factor per client and layer: the layer's reference over the client's norm.
 
-    The mean of a layer is over the clients that have it. A client whose norm is 0
-    gets factor 1 (scaling a zero changes nothing). A factor is at most
-    ``max_factor``: the paper's factor is unbounded, and a layer whose update
-    happens to be tiny (a narrow slice's normalisation layer holds two values, one
-    of which the trim drops) is otherwise multiplied by thousands, which destroyed
-    the global model in our runs (``benchmarks/submodel.py``). Scaling *down* (the
-    defence against an oversized update) is not bounded.
+    The reference of a layer is :func:`reference_norm` of the norms of the clients
+    that have it (at most the median of the others' norms for every client), or
+    ``previous[layer]`` when fewer than two of them moved it; without either the
+    factor is 1. A client whose norm is 0 gets factor 1 (scaling a zero changes
+    nothing). A factor is at most ``max_factor``: a layer whose update happens to be
+    tiny (a narrow slice's normalisation layer holds two values, one of which the
+    trim drops) is otherwise multiplied by thousands, which destroyed the global
+    model in our runs (``benchmarks/submodel.py``). Scaling *down* (the defence
+    against an oversized update) is not bounded.
 
     Parameters
     ----------
     norms : Sequence[Mapping[str, float]]
-        Per client, the trimmed norm of each layer (:func:`layer_norms`).
+        Per client, the norm of each layer (:func:`layer_norms`).
     max_factor : float, optional
         Largest factor (unbounded by default, as in the paper).
+    previous : Mapping[str, float], optional
+        Per layer, the reference of an earlier round (:attr:`ScalableAccumulator.references`).
 
     Returns
     -------
@@ -264,11 +394,19 @@ def scaling_factors(
             if not math.isfinite(n) or n < 0:
                 raise AggregationError(f"layer '{key}' has norm {n!r}; norms are finite and >= 0")
             totals.setdefault(key, []).append(float(n))
-    means = {key: math.fsum(values) / len(values) for key, values in totals.items()}
-    return [
-        {key: min(means[key] / n, max_factor) if n > 0 else 1.0 for key, n in client.items()}
-        for client in norms
-    ]
+    earlier = previous or {}
+    references = {key: reference_norm(values) for key, values in totals.items()}
+    references = {
+        key: ref if ref is not None else earlier.get(key) for key, ref in references.items()
+    }
+    out: list[dict[str, float]] = []
+    for client in norms:
+        factors: dict[str, float] = {}
+        for key, n in client.items():
+            ref = references[key]
+            factors[key] = 1.0 if n == 0 or ref is None else min(ref / n, max_factor)
+        out.append(factors)
+    return out
 
 
 def scale_state(
@@ -308,6 +446,8 @@ def scalable_aggregate(
     percentile: float = 95.0,
     trim: Trim = "magnitude",
     max_factor: float = math.inf,
+    clip_factor: float = 0.0,
+    previous: Mapping[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
     """FedFA's scalable aggregation of (grafted) sub-models (module docstring).
 
@@ -329,11 +469,15 @@ def scalable_aggregate(
         Which values are "under the percentile" (default ``"magnitude"``).
     max_factor : float
         Largest scaling factor (:func:`scaling_factors`).
+    clip_factor : float
+        ``kappa`` of :func:`effective_norm` (0: the paper's trimmed norm alone).
+    previous : Mapping[str, float], optional
+        Per layer, an earlier round's reference (:func:`scaling_factors`).
 
     Returns
     -------
     dict[str, np.ndarray]
-        The new global weights.
+        The new global weights (statistics and integer entries: coverage average).
 
     Raises
     ------
@@ -344,10 +488,18 @@ def scalable_aggregate(
         raise AggregationError("nothing to aggregate: no state was given")
     where = _indices(global_state, states, indices)
     norms = [
-        layer_norms(global_state, state, index, target=target, percentile=percentile, trim=trim)
+        layer_norms(
+            global_state,
+            state,
+            index,
+            target=target,
+            percentile=percentile,
+            trim=trim,
+            clip_factor=clip_factor,
+        )
         for state, index in zip(states, where, strict=True)
     ]
-    factors = scaling_factors(norms, max_factor=max_factor)
+    factors = scaling_factors(norms, max_factor=max_factor, previous=previous)
     scaled = [
         scale_state(global_state, state, index, f, target=target)
         for state, index, f in zip(states, where, factors, strict=True)
@@ -359,47 +511,58 @@ CANDIDATE_MARGIN = 2.0
 """How far under the running cap threshold a layer's norm may be and still be kept.
 
 :class:`ScalableAccumulator` keeps a client's layer (instead of folding it) when its
-norm is under ``CANDIDATE_MARGIN * running_mean / max_factor``: only such layers can
-end up capped unless the layer's mean norm grows more than ``CANDIDATE_MARGIN``-fold
-after the client's reply."""
+norm is under ``CANDIDATE_MARGIN * running_reference / max_factor``: only such
+layers can end up capped unless the layer's reference grows more than
+``CANDIDATE_MARGIN``-fold after the client's reply."""
 
 
 class ScalableAccumulator:
     """FedFA's scalable aggregation, folded one (grafted) client at a time.
 
     Equal, within float32 rounding, to :func:`scalable_aggregate` of the same
-    clients, without keeping their states. Per scaled layer ``l`` it holds, in the
-    entry's precision and in place (:class:`~strategies.aggregators.EntrySums`)::
+    clients (with ``statistics`` left out), without keeping their states. Per
+    scaled layer ``l`` it holds, in the entry's precision and in place
+    (:class:`~strategies.aggregators.EntrySums`)::
 
-        P_l = sum_{c: n_c > 0} (N_c / n_c) X_c     (X: the update, or the weights)
-        S_l = sum_{c: n_c = 0} N_c X_c              (factor 1)
+        P_l = sum_{c: e_c > 0} (N_c / e_c) X_c     (X: the update, or the weights)
+        S_l = sum_{c: e_c = 0} N_c X_c              (factor 1)
         Gamma_l = sum_c N_c                          (element-wise coverage)
 
-    plus each client's norm ``n_c`` (a float), and at the end sets
-    ``M_G = mean_l * P_l + S_l`` over ``Gamma_l`` (added to the global weights for
-    ``"updates"``). Entries that are not scaled are a plain coverage mean.
+    plus each client's norm ``e_c`` (a float), and at the end sets
+    ``M_G = rho_l * P_l + S_l`` over ``Gamma_l`` (added to the global weights for
+    ``"updates"``), ``rho_l`` the layer's reference (:func:`reference_norm`). Entries
+    that are not scaled (batch-norm statistics, counters) go to the accumulator of
+    ``statistics`` (bounded there), or a plain coverage mean without one.
 
-    The factor bound ``max_factor`` (``alpha_c = min(mean_l / n_c, max_factor)``)
-    depends on the final mean, which is known only at the end, and no bounded state
-    can decide it for every client afterwards. A client's layer whose norm is under
-    ``CANDIDATE_MARGIN`` times the running threshold ``running_mean / max_factor``
+    The factor bound ``max_factor`` (``alpha_c = min(rho_l / e_c, max_factor)``)
+    depends on the final reference, which is known only at the end, and no bounded
+    state can decide it for every client afterwards. A client's layer whose norm is
+    under ``CANDIDATE_MARGIN`` times the running threshold ``rho / max_factor``
     is therefore kept apart and folded with its exact factor at the end; memory is
     O(model) plus those layers (updates far smaller than the cohort's, such as a
     narrow slice's normalisation layer; none in ``benchmarks/aggregation.py``).
-    Should the final mean cap a layer that was already folded (the layer's mean
-    norm grew over ``CANDIDATE_MARGIN``-fold after it arrived, e.g. an oversized
-    reply came last), ``P_l`` is multiplied by ``max_factor`` times the
-    smallest folded norm instead of the mean: no factor exceeds ``max_factor``, the
-    folded layers' factors all shrink by the same ratio, and :attr:`late_caps`
-    counts the client layers that were capped late (the round record's
-    ``late_capped_layers``).
+    Should the final reference cap a layer that was already folded (it grew over
+    ``CANDIDATE_MARGIN``-fold after the layer arrived), ``P_l`` is multiplied by
+    ``max_factor`` times the smallest folded norm instead of ``rho_l``: no factor
+    exceeds ``max_factor``, the folded layers' factors all shrink by the same
+    ratio, and :attr:`late_caps` counts the client layers that were capped late
+    (the round record's ``late_capped_layers``).
 
     Parameters
     ----------
     global_state : Mapping[str, np.ndarray]
         The current global weights.
-    target, percentile, trim, max_factor
+    target, percentile, trim, max_factor, clip_factor
         As :func:`scalable_aggregate`.
+    previous : Mapping[str, float], optional
+        Per layer, the reference of the last round that had one (:attr:`references`
+        of that round): the scale of a layer fewer than two clients move.
+    statistics : Aggregator, optional
+        Folds the entries that are not scaled (the scheme's run-config
+        ``aggregator``, which bounds batch-norm statistics); a plain coverage mean
+        when omitted.
+    previous_statistics : AccumulatorReport, optional
+        The last round's :meth:`report`, for a ``statistics`` bound carried over.
     """
 
     def __init__(
@@ -410,6 +573,10 @@ class ScalableAccumulator:
         percentile: float = 95.0,
         trim: Trim = "magnitude",
         max_factor: float = math.inf,
+        clip_factor: float = 0.0,
+        previous: Mapping[str, float] | None = None,
+        statistics: Aggregator | None = None,
+        previous_statistics: AccumulatorReport | None = None,
     ) -> None:
         if target not in TARGETS:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -419,15 +586,24 @@ class ScalableAccumulator:
             raise ValueError(f"percentile must be in (0, 100], got {percentile!r}; FedFA uses 95")
         if not max_factor >= 1:
             raise ValueError(f"max_factor must be >= 1, got {max_factor!r}")
+        effective_norm(0.0, 0.0, clip_factor)  # checks clip_factor
         self.reference = dict(global_state)
         self.target: Target = target
         self.percentile = float(percentile)
         self.trim: Trim = trim
         self.max_factor = float(max_factor)
+        self.clip_factor = float(clip_factor)
+        self.previous = {
+            k: float(v) for k, v in (previous or {}).items() if math.isfinite(v) and v > 0
+        }
         self._scaled = frozenset(k for k, v in self.reference.items() if is_scaled(k, v))
-        self._plain = MeanAccumulator(
-            {k: v for k, v in self.reference.items() if k not in self._scaled}
+        plain = {k: v for k, v in self.reference.items() if k not in self._scaled}
+        self._plain: Accumulator = (
+            MeanAccumulator(plain)
+            if statistics is None
+            else statistics.accumulator(plain, previous=previous_statistics)
         )
+        self._plain_clients: list[int] = []
         self._inverse = EntrySums(self.reference)
         self._unit = EntrySums(self.reference)
         self._cover = Coverage(self.reference)
@@ -436,14 +612,24 @@ class ScalableAccumulator:
         self._smallest: dict[str, float] = {}
         self._count = 0
         self.late_caps = 0
-        """Folded layers the final mean capped (they kept the uncapped factor)."""
+        """Folded layers the final reference capped (they kept the uncapped factor)."""
         self.capped = 0
-        """Client layers whose factor ``mean / norm`` exceeds ``max_factor``."""
+        """Client layers whose factor ``rho / norm`` exceeds ``max_factor``."""
+        self.norm_bounded = 0
+        """Client layers scaled by their full norm: values hidden above the percentile."""
+        self.unreferenced = 0
+        """Layers fewer than two clients moved, with no earlier reference: factor 1."""
+        self.references: dict[str, float] = {}
+        """Per layer, the reference this round computed (:func:`reference_norm`)."""
 
     @property
     def count(self) -> int:
         """Number of clients folded in so far."""
         return self._count
+
+    def _reference(self, key: str, norms: Sequence[float]) -> float | None:
+        ref = reference_norm(norms)
+        return self.previous.get(key) if ref is None else ref
 
     def add(
         self,
@@ -466,16 +652,18 @@ class ScalableAccumulator:
         where = coverage_index(self.reference, state) if index is None else index
         checked = check_update(self.reference, state, where)
         norms: dict[str, float] = {}
+        bounded = 0
         for key, (value, at) in checked.items():
             if key in self._scaled:  # every norm first: a bad one folds nothing
-                n = trimmed_norm(
+                trimmed, full = norms_of(
                     self._values(key, value, at), percentile=self.percentile, trim=self.trim
                 )
-                if not math.isfinite(n):
+                if not (math.isfinite(trimmed) and math.isfinite(full)):
                     raise AggregationError(
-                        f"layer '{key}' has norm {n!r}; norms are finite and >= 0"
+                        f"layer '{key}' has norm {full!r}; norms are finite and >= 0"
                     )
-                norms[key] = n
+                norms[key] = effective_norm(trimmed, full, self.clip_factor)
+                bounded += norms[key] > trimmed
         plain = {k: v for k, (v, _) in checked.items() if k not in norms}
         if plain:
             self._plain.add(
@@ -483,6 +671,8 @@ class ScalableAccumulator:
                 w,
                 index={k: i for k, (_, i) in checked.items() if i is not None and k in plain},
             )
+            self._plain_clients.append(self._count)
+        self.norm_bounded += bounded
         for key, n in norms.items():
             value, at = checked[key]
             seen = self._norms.setdefault(key, [])
@@ -492,8 +682,8 @@ class ScalableAccumulator:
             if n == 0:
                 self._unit.add(key, x, w, at)
                 continue
-            running = math.fsum(seen) / len(seen)
-            if n * self.max_factor < CANDIDATE_MARGIN * running:
+            running = self._reference(key, seen)
+            if n * self.max_factor < CANDIDATE_MARGIN * (n if running is None else running):
                 self._kept.setdefault(key, []).append((x if x is not value else x.copy(), at, w, n))
             else:
                 self._inverse.add(key, x, w / n, at)
@@ -524,22 +714,50 @@ class ScalableAccumulator:
                     out[key] = ref.copy()
                 continue
             norms = self._norms[key]
-            mean = math.fsum(norms) / len(norms)
+            own = reference_norm(norms)
+            if own is not None:
+                self.references[key] = own
+            rho = self._reference(key, norms)
+            if rho is None:
+                # fewer than two clients moved the layer (at most one is folded) and no
+                # earlier round gives a scale: factor 1, its own norm as the multiplier
+                self.unreferenced += 1
             total = self._inverse.pop(key)
-            # min(mean, max_factor * smallest folded norm): the final mean itself unless a
-            # folded layer turns out capped; then no folded factor exceeds max_factor
-            total *= min(mean, self.max_factor * self._smallest.get(key, math.inf))
+            smallest = self._smallest.get(key, math.inf)
+            # min(rho, max_factor * smallest folded norm): rho itself unless a folded layer
+            # turns out capped; then no folded factor exceeds max_factor
+            total *= smallest if rho is None else min(rho, self.max_factor * smallest)
             if key in self._unit.sums:
                 total += self._unit.pop(key)
             kept_capped = 0
             for x, at, w, n in self._kept.pop(key, []):
-                factor = mean / n
+                factor = 1.0 if rho is None else rho / n
                 if factor > self.max_factor:
                     factor = self.max_factor
                     kept_capped += 1
                 add_scaled(total if at is None else total[at], x, w * factor)
-            capped = sum(1 for n in norms if n > 0 and mean / n > self.max_factor)
+            capped = (
+                0 if rho is None else sum(1 for n in norms if n > 0 and rho / n > self.max_factor)
+            )
             self.capped += capped
             self.late_caps += capped - kept_capped
             out[key] = self._cover.divide(key, total, offset=self.target == "updates")
         return {key: out[key] for key in self.reference}
+
+    def report(self) -> AccumulatorReport:
+        """Return the statistics' report, clips numbered in client fold order (after result)."""
+        if not self._plain.count:
+            return AccumulatorReport()
+        inner = self._plain.report()
+        clips = tuple(
+            Clip(
+                self._plain_clients[c.position]
+                if c.position < len(self._plain_clients)
+                else c.position,
+                c.kind,
+                c.distance,
+                c.bound,
+            )
+            for c in inner.clips
+        )
+        return AccumulatorReport(medians=dict(inner.medians), clips=clips)

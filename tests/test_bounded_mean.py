@@ -1,0 +1,206 @@
+"""The default bounded ``mean``: streaming fold, ratchet-proof scale, ceiling, weight caps.
+
+Every expected value is computed by hand in the test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import strategies.aggregators as aggregators
+from strategies.aggregators import (
+    MeanAccumulator,
+    measure_and_fold,
+    next_scale,
+    reference_norms,
+    squared_distance,
+)
+from strategies.validation import weight_caps
+
+
+def vec(*values: float) -> dict[str, np.ndarray]:
+    return {"w": np.array(values, dtype=np.float32)}
+
+
+# ---------------------------------------------------------------- next_scale
+def test_next_scale_is_the_lower_median_of_what_was_accepted() -> None:
+    assert next_scale([3.0, 1.0, 2.0], None, 2.0) == 2.0
+    assert next_scale([3.0, 1.0, 2.0], 1.5, 2.0) == 2.0  # within [0.75, 3]
+
+
+def test_next_scale_moves_by_at_most_the_growth_factor() -> None:
+    # a majority sending 1e-9 would make the median 1e-9: kept at 4 / 2 = 2
+    assert next_scale([1e-9, 1e-9, 1e-9, 5.0, 5.0], 4.0, 2.0) == 2.0
+    # a majority at 1e6 (already clipped or not): kept at 4 x 2 = 8
+    assert next_scale([1e6, 1e6, 1e6, 5.0, 5.0], 4.0, 2.0) == 8.0
+    with pytest.raises(ValueError, match="growth"):
+        next_scale([1.0], 1.0, 1.0)
+
+
+def test_a_minority_only_picks_which_honest_distance_is_the_median() -> None:
+    honest = [4.0, 5.0, 6.0]
+    # two of five at 1e-9: the lower median is the honest 4; at the bound 1e3: honest 5
+    assert next_scale([*honest, 1e-9, 1e-9], 5.0, 2.0) == 4.0
+    assert next_scale([*honest, 1e3, 1e3], 5.0, 2.0) == 6.0
+
+
+# ------------------------------------------------------------- measure_and_fold
+def test_squared_distance_by_hand_and_past_float32() -> None:
+    a = np.array([3.0, 4.0], np.float32)
+    assert squared_distance(a, np.zeros(2, np.float32)) == pytest.approx(25.0)
+    # 1e30 squared overflows float32: measured again in float64, 2 x 1e60
+    huge = np.array([1e30, -1e30], np.float32)
+    assert squared_distance(huge, np.zeros(2, np.float32)) == pytest.approx(2e60, rel=1e-6)
+
+
+def test_measure_and_fold_folds_blocks_while_in_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: blocks of 2; differences (1, 0 | 2, 0 | 0, 0) -> running squares 1, 5, 5
+    monkeypatch.setattr(aggregators, "CHUNK", 2)
+    value = np.array([1.0, 0.0, 2.0, 0.0, 0.0, 0.0], np.float32)
+    base = np.zeros(6, np.float32)
+    total = np.zeros(6, np.float32)
+    # Execute: limit 4 (distance 2): the first block fits, the second passes it
+    done, square = measure_and_fold(value, base, total, 3.0, 0.0, 4.0)
+    # Assert: only the first block went in, at weight 3; all three were measured
+    assert done == 2
+    assert square == pytest.approx(5.0)
+    np.testing.assert_allclose(total, [3.0, 0, 0, 0, 0, 0])
+
+
+# ------------------------------------------------------------ streaming fold
+@pytest.mark.parametrize("chunk", [1, 2, 1 << 20])
+def test_streaming_equals_the_two_pass_definition(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: two entries of parameters and one of statistics; scale 1 per kind,
+    # clip-factor 2 -> bound 2 for each kind
+    monkeypatch.setattr(aggregators, "CHUNK", chunk)
+    ref = {
+        "a": np.array([1.0, 1.0], np.float32),
+        "b": np.array([0.0], np.float32),
+        "bn.running_var": np.array([1.0, 1.0], np.float32),
+    }
+    updates = [
+        # parameters (1, 1 | 0) from ref: distance 1 -> kept; statistics 0 -> kept
+        ({"a": [2.0, 1.0], "b": [0.0], "bn.running_var": [1.0, 1.0]}, 1.0),
+        # parameters delta (3, 0 | 4): distance 5 -> factor 2/5; statistics delta (0, 8)
+        # distance 8 -> factor 2/8
+        ({"a": [4.0, 1.0], "b": [4.0], "bn.running_var": [1.0, 9.0]}, 3.0),
+    ]
+    acc = MeanAccumulator(
+        ref, clip_factor=2.0, previous={"parameters": 1.0, "statistics": 1.0}, ceiling=0.0
+    )
+    # Execute
+    for update, w in updates:
+        acc.add({k: np.array(v, np.float32) for k, v in update.items()}, w)
+    out = acc.result()
+    # Assert: second update clipped to ref + 0.4 (3, 0 | 4) and ref + 0.25 (0, 8)
+    want_a = (1.0 * np.array([2.0, 1.0]) + 3.0 * np.array([1.0 + 1.2, 1.0])) / 4.0
+    want_b = (1.0 * 0.0 + 3.0 * 1.6) / 4.0
+    want_v = (1.0 * np.array([1.0, 1.0]) + 3.0 * np.array([1.0, 3.0])) / 4.0
+    np.testing.assert_allclose(out["a"], want_a, rtol=1e-6)
+    np.testing.assert_allclose(out["b"], [want_b], rtol=1e-6)
+    np.testing.assert_allclose(out["bn.running_var"], want_v, rtol=1e-6)
+    clips = {(c.position, c.kind): (c.distance, c.bound) for c in acc.report().clips}
+    assert clips == {
+        (1, "parameters"): (pytest.approx(5.0), pytest.approx(2.0)),
+        (1, "statistics"): (pytest.approx(8.0), pytest.approx(2.0)),
+    }
+    # the next scale counts the clipped update at its bound: parameters [1, 2] -> 1;
+    # statistics: only the positive accepted distance 2 -> 2
+    assert acc.report().medians == {"parameters": 1.0, "statistics": 2.0}
+
+
+def test_a_dense_huge_update_is_clipped_and_the_result_stays_finite() -> None:
+    ref = vec(0.5, -0.5, 0.25, 0.0)
+    acc = MeanAccumulator(ref, clip_factor=1.0, previous={"parameters": 0.1})
+    honest = vec(0.55, -0.45, 0.25, 0.0)  # distance sqrt(0.005) ~ 0.0707, kept
+    acc.add(honest, 1.0)
+    acc.add(vec(1e30, -1e30, 1e30, -1e30), 1.0)  # distance 2e30, clipped to 0.1
+    out = acc.result()["w"]
+    assert np.all(np.isfinite(out))
+    clip = acc.report().clips[0]
+    assert clip.distance == pytest.approx(2e30, rel=1e-6)
+    assert clip.bound == pytest.approx(0.1)
+    # hostile part: ref + 0.1 * (0.5, -0.5, 0.5, -0.5) (direction of +-1e30 from ref)
+    hostile = np.array([0.5, -0.5, 0.25, 0.0]) + 0.1 * np.array([0.5, -0.5, 0.5, -0.5])
+    np.testing.assert_allclose(out, (np.array([0.55, -0.45, 0.25, 0.0]) + hostile) / 2, atol=1e-6)
+
+
+def test_ceiling_bounds_a_node_alone_in_its_first_round() -> None:
+    # Prepare: global ||w|| = 5; no scale yet, one node: its own median is itself
+    ref = vec(3.0, 4.0)
+    acc = MeanAccumulator(ref, clip_factor=3.0, ceiling=2.0)
+    # Execute: a lone update at distance 1e18
+    acc.add(vec(3.0 + 6e17, 4.0 + 8e17), 1.0)
+    out = acc.result()["w"]
+    # Assert: clipped to 2 x 5 = 10 from the global model: (3, 4) + 10 (0.6, 0.8)
+    np.testing.assert_allclose(out, [9.0, 12.0], rtol=1e-5)
+    assert acc.report().medians == {"parameters": pytest.approx(10.0)}
+
+
+def test_ceiling_caps_the_streaming_bound() -> None:
+    # scale 100 x clip-factor 3 = 300, but ||ref|| = 5 and ceiling 1 -> bound 5
+    acc = MeanAccumulator(
+        vec(3.0, 4.0), clip_factor=3.0, previous={"parameters": 100.0}, ceiling=1.0
+    )
+    acc.add(vec(3.0 + 30.0, 4.0 + 40.0), 1.0)
+    np.testing.assert_allclose(acc.result()["w"], [6.0, 8.0], rtol=1e-6)
+
+
+def test_reference_norms_per_kind() -> None:
+    ref = {
+        "w": np.array([3.0, 4.0], np.float32),
+        "bn.running_mean": np.array([0.0], np.float32),
+        "bn.running_var": np.array([2.0], np.float32),
+        "bn.num_batches_tracked": np.array(7, np.int64),
+    }
+    assert reference_norms(ref) == {"parameters": 5.0, "statistics": 2.0}
+
+
+def test_non_finite_or_zero_scales_are_not_trusted() -> None:
+    # a checkpoint's NaN scale must not switch the bound off: the round is buffered
+    # and clipped against its own median, as a first round
+    for previous in ({"parameters": math.nan}, {"parameters": 0.0}, {"parameters": math.inf}):
+        acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous=previous)
+        for value in (1.0, 2.0, 100.0):
+            acc.add(vec(value), 1.0)
+        # lower median 2 -> bound 2: (1 + 2 + 2) / 3
+        np.testing.assert_allclose(acc.result()["w"], [5.0 / 3.0], rtol=1e-6)
+
+
+def test_the_bound_cannot_be_ratcheted_over_rounds() -> None:
+    # Prepare: 3 honest nodes move 1.0 each round, 2 hostile ones try to shrink the
+    # bound (1e-9), then 3 of 5 try to grow it (1e6)
+    scale: dict[str, float] | None = {"parameters": 1.0}
+    for _ in range(3):
+        acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous=scale)
+        for value in (1.0, 1.0, 1.0, 1e-9, 1e-9):
+            acc.add(vec(value), 1.0)
+        acc.result()
+        scale = dict(acc.report().medians)
+        # Assert: a minority does not move it at all
+        assert scale == {"parameters": 1.0}
+    # with clip-factor 3 what they get accepted is 3x the scale: the median of
+    # (1, 1, 3s, 3s, 3s) is 3s, kept within 2x the last scale
+    for expected in (2.0, 4.0, 8.0):
+        acc = MeanAccumulator(vec(0.0), clip_factor=3.0, previous=scale)
+        for value in (1.0, 1.0, 1e6, 1e6, 1e6):
+            acc.add(vec(value), 1.0)
+        acc.result()
+        scale = dict(acc.report().medians)
+        # a majority moves it by at most bound-growth (2) a round
+        assert scale == {"parameters": expected}
+
+
+# ---------------------------------------------------------------- weight caps
+def test_weight_caps_are_set_by_the_cohort() -> None:
+    # median num-train of (100, 120, 80, 1e9) is the lower median 100; cap 2 -> 200
+    caps = weight_caps({1: 100, 2: 120, 3: 80, 4: 1_000_000_000}, 2.0)
+    assert caps == {1: 100.0, 2: 120.0, 3: 80.0, 4: 200.0}
+    # off: each node weighs at most its own handshake num-train
+    assert weight_caps({1: 100, 2: 50}, 0.0) == {1: 100.0, 2: 50.0}
+    assert weight_caps({}, 2.0) == {}
