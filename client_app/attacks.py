@@ -545,8 +545,8 @@ class OmniscientAttack:
                 forged_any = True
         if not forged_any:
             log.warning(
-                "node %d (%s): no honest node of this batch trained the same entries; "
-                "its own reply is sent",
+                "node %d (%s): its reply carries no floating entries that an honest node "
+                "of this batch also sent (same names and shapes); its own reply is sent",
                 own.node,
                 self.spec.kind,
             )

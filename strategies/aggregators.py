@@ -117,12 +117,18 @@ class Aggregator(Protocol):
         ...
 
     def accumulator(
-        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Start aggregating updates of the model whose current weights are ``reference``.
 
         ``previous`` is the report of the same model's last committed round (``None``
         for its first), for aggregators whose bound carries over between rounds.
+        ``direction`` is the server's own update of the model on its pool (trained
+        minus ``reference``), for aggregators that check where an update points.
         """
         ...
 
@@ -183,6 +189,15 @@ DEFAULT_GROWTH = 2.0
 """Largest factor a bounded ``mean``'s scale may move between rounds (``bound-growth``)."""
 
 
+DIRECTION = "direction"
+"""The :class:`Clip` kind of an update dropped by the direction check: its ``distance``
+is the update's cosine with the server's own update, its ``bound`` the threshold."""
+
+
+def _is_parameter(key: str, value: np.ndarray) -> bool:
+    return _floating(value) and entry_kind(key) == "parameters"
+
+
 def _floating(value: np.ndarray) -> bool:
     return bool(np.issubdtype(value.dtype, np.floating))
 
@@ -207,6 +222,11 @@ def _torch_view(array: np.ndarray) -> torch.Tensor | None:
         return None
 
 
+def _block_dot(a: np.ndarray, b: np.ndarray, direction: np.ndarray) -> float:
+    diff = np.subtract(a, b, dtype=np.float64)
+    return float(np.vdot(diff, np.asarray(direction, dtype=np.float64)))
+
+
 def _block_square(a: np.ndarray, b: np.ndarray) -> float:
     diff = np.subtract(a, b, dtype=np.float64)
     return float(np.vdot(diff, diff))
@@ -223,7 +243,7 @@ def squared_distance(a: np.ndarray, b: np.ndarray) -> float:
     """
     if a.shape != b.shape:
         raise AggregationError(f"cannot measure {a.shape} against {b.shape}")
-    _, square = measure_and_fold(a, b, None, 0.0, 0.0, None)
+    _, square, _ = measure_and_fold(a, b, None, 0.0, 0.0, None)
     return square
 
 
@@ -235,7 +255,8 @@ def measure_and_fold(
     square: float,
     limit: float | None,
     scratch: dict[torch.dtype, torch.Tensor] | None = None,
-) -> tuple[int, float]:
+    direction: np.ndarray | None = None,
+) -> tuple[int, float, float]:
     """Add ``sum((value - base) ** 2)`` to ``square``; fold blocks of ``value`` while in bounds.
 
     Blocks of :data:`CHUNK` elements are measured in turn (the difference into a
@@ -246,25 +267,40 @@ def measure_and_fold(
     in place, while the block is in cache). The first block that takes ``square``
     past ``limit`` and every block after it are only measured. With ``limit`` (or
     ``total``) ``None`` nothing is folded. ``scratch`` keeps the buffer between
-    calls (one per dtype).
+    calls (one per dtype). With ``direction`` (an array of ``value``'s shape) the
+    dot product ``(value - base) . direction`` is measured in the same pass.
 
     Returns
     -------
-    tuple[int, float]
-        How many leading elements (in C order) were folded, and the new ``square``.
+    tuple[int, float, float]
+        How many leading elements (in C order) were folded, the new ``square``, and
+        the dot product with ``direction`` (0 without one).
     """
     n = value.size
     v, b = _torch_view(value), _torch_view(base)
     t = None if total is None else _torch_view(total)
+    d = None if direction is None else _torch_view(direction)
     fold = limit is not None and total is not None
-    if v is None or b is None or v.dtype != b.dtype or (fold and (t is None or t.dtype != v.dtype)):
+    if (
+        v is None
+        or b is None
+        or v.dtype != b.dtype
+        or (fold and (t is None or t.dtype != v.dtype))
+        or (direction is not None and (d is None or d.dtype != v.dtype))
+    ):
         # other dtypes and layouts: measure in float64 blocks, fold nothing
+        dot = 0.0
         if value.ndim == 0 or n <= CHUNK:
-            return 0, square + _block_square(value, base)
+            if direction is not None:
+                dot = _block_dot(value, base, direction)
+            return 0, square + _block_square(value, base), dot
         rows = max(1, CHUNK // max(1, n // value.shape[0]))
         for start in range(0, value.shape[0], rows):
-            square += _block_square(value[start : start + rows], base[start : start + rows])
-        return 0, square
+            rows_ = slice(start, start + rows)
+            square += _block_square(value[rows_], base[rows_])
+            if direction is not None:
+                dot += _block_dot(value[rows_], base[rows_], direction[rows_])
+        return 0, square, dot
     size = min(n, CHUNK)
     buf = None if scratch is None else scratch.get(v.dtype)
     if buf is None or buf.numel() < size:
@@ -272,18 +308,26 @@ def measure_and_fold(
         if scratch is not None:
             scratch[v.dtype] = buf
     done = 0
+    dot = 0.0
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
         part = buf[: stop - start]
         torch.sub(v[start:stop], b[start:stop], out=part)
         block = float(torch.dot(part, part))
+        if d is not None and direction is not None:
+            along = float(torch.dot(part, d[start:stop]))
+            if not math.isfinite(along):
+                along = _block_dot(
+                    _flat(value)[start:stop], _flat(base)[start:stop], _flat(direction)[start:stop]
+                )
+            dot += along
         if not math.isfinite(block):  # float32 overflow: measure this block in float64
             block = _block_square(_flat(value)[start:stop], _flat(base)[start:stop])
         square += block
         if fold and done == start and square <= limit:  # type: ignore[operator]
             t[start:stop].add_(v[start:stop], alpha=weight)  # type: ignore[index]
             done = stop
-    return done, square
+    return done, square, dot
 
 
 def reference_norms(reference: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -550,6 +594,15 @@ class MeanAccumulator:
     A clipped update ``reference + f * (update - reference)`` is folded as
     ``w * f * update + w * (1 - f) * reference``, so clipping allocates nothing.
 
+    With a ``direction`` (FLTrust's idea, Cao et al. NDSS 2021: the server trains
+    the model on its own trusted pool and compares), an update pointing away from
+    the server's own update (cosine at most ``threshold``) is dropped whole. The
+    bound limits how far an update moves the model; the direction check limits
+    where: an update that reverses the honest direction (sign flips, IPM, riding
+    the bound backwards) is refused instead of being let in at the bound. Unlike
+    FLTrust, accepted updates keep their own (bounded) size and example weight, so
+    a clean round is the plain bounded mean.
+
     Parameters
     ----------
     reference : Mapping[str, np.ndarray]
@@ -568,6 +621,14 @@ class MeanAccumulator:
     ceiling : float
         Multiple of the reference's own L2 norm (per kind) no update may exceed
         (``0``: no ceiling).
+    direction : Mapping[str, np.ndarray] | None
+        The server's own update of this model on its pool (trained minus
+        reference), per entry; ``None`` (or a zero or non-finite one) switches the
+        direction check off. Only learned parameters are compared.
+    threshold : float
+        An update whose learned parameters have a cosine of at most this with
+        ``direction`` is dropped whole (recorded as a :class:`Clip` of kind
+        :data:`DIRECTION`); it neither moves the model nor enters the scale.
     """
 
     def __init__(
@@ -579,8 +640,26 @@ class MeanAccumulator:
         max_distance: float | None = None,
         growth: float = DEFAULT_GROWTH,
         ceiling: float = 0.0,
+        direction: Mapping[str, np.ndarray] | None = None,
+        threshold: float = 0.0,
     ) -> None:
         self.reference = dict(reference)
+        self.threshold = float(threshold)
+        self.direction: dict[str, np.ndarray] | None = None
+        norm2 = 0.0
+        if direction is not None:
+            keys = [k for k in self.reference if _is_parameter(k, self.reference[k])]
+            good = all(
+                k in direction
+                and direction[k].shape == self.reference[k].shape
+                and direction[k].dtype == self.reference[k].dtype
+                for k in keys
+            )
+            norm2 = sum(squared_distance(direction[k], np.zeros_like(direction[k])) for k in keys)
+            if good and keys and math.isfinite(norm2) and norm2 > 0:
+                self.direction = {k: np.ascontiguousarray(direction[k]) for k in keys}
+        self._direction_norm2 = norm2 if self.direction is not None else 0.0
+        """Squared L2 norm of the direction's learned parameters."""
         self.clip_factor = float(clip_factor)
         self.max_distance = max_distance
         self.growth = float(growth)
@@ -603,7 +682,7 @@ class MeanAccumulator:
         self._cover = Coverage(self.reference)
         self._count = 0
         self._accepted: dict[str, list[float]] = {}
-        self._buffer: list[tuple[int, _Checked, float, dict[str, float]]] = []
+        self._buffer: list[tuple[int, _Checked, float, dict[str, float], float | None]] = []
         self._clips: list[Clip] = []
         self._result: dict[str, np.ndarray] | None = None
         self._unit: float | None = None
@@ -663,17 +742,55 @@ class MeanAccumulator:
         kinds = {entry_kind(k) for k, (v, _) in checked.items() if _floating(v)}
         bounds = {kind: self._bound(kind) for kind in kinds}
         if any(b is None for b in bounds.values()):
-            distances = self._measure(checked)
-            self._buffer.append((position, checked, w, distances))
+            distances, cosine = self._measure(checked)
+            self._buffer.append((position, checked, w, distances, cosine))
             return
         self._stream(
             position, checked, w, {k: float(b) for k, b in bounds.items() if b is not None}
         )
 
-    def _measure(self, checked: _Checked) -> dict[str, float]:
-        values = {k: v for k, (v, _) in checked.items()}
-        where = {k: i for k, (_, i) in checked.items()}
-        return update_distances(values, self.reference, where)
+    def _measure(self, checked: _Checked) -> tuple[dict[str, float], float | None]:
+        """Return the distances per kind and the cosine with the direction (if any)."""
+        squares: dict[str, float] = {}
+        dot = norm2 = 0.0
+        for key, (value, where) in checked.items():
+            if not _floating(value):
+                continue
+            ref = self.reference[key]
+            base = ref if where is None else ref[where]
+            along = self._along(key, where)
+            kind = entry_kind(key)
+            _, squares[kind], part = measure_and_fold(
+                value, base, None, 0.0, squares.get(kind, 0.0), None, self._scratch, along
+            )
+            if along is not None:
+                dot += part
+                norm2 += squared_distance(along, np.zeros_like(along))
+        distances = {kind: math.sqrt(square) for kind, square in squares.items()}
+        return distances, self._cosine(dot, distances, norm2)
+
+    def _along(self, key: str, where: Index | None) -> np.ndarray | None:
+        """Return the part of the direction that entry ``key`` (at ``where``) is compared with."""
+        if self.direction is None or key not in self.direction:
+            return None
+        along = self.direction[key]
+        return along if where is None else along[where]
+
+    def _cosine(self, dot: float, distances: Mapping[str, float], norm2: float) -> float | None:
+        """Cosine of an update's learned parameters with the direction (``None``: unknown)."""
+        if self.direction is None:
+            return None
+        distance = distances.get("parameters", 0.0)
+        if distance <= 0 or norm2 <= 0 or not math.isfinite(distance):
+            return None
+        return max(-1.0, min(1.0, dot / (distance * math.sqrt(norm2))))
+
+    def _refused(self, position: int, cosine: float | None) -> bool:
+        """Return whether the direction check drops the update (and record it)."""
+        if cosine is None or cosine > self.threshold:
+            return False
+        self._clips.append(Clip(position, DIRECTION, cosine, self.threshold))
+        return True
 
     def _accept(
         self, position: int, distances: Mapping[str, float], bounds: Mapping[str, float]
@@ -695,6 +812,7 @@ class MeanAccumulator:
     ) -> None:
         """Measure and fold one update in one pass over it (see the class docstring)."""
         squares: dict[str, float] = {}
+        dot = norm2 = 0.0
         folded: dict[str, int] = {}  # per key: elements folded at weight w (a prefix)
         over: set[str] = set()  # kinds whose running distance passed their bound
         for key, (value, where) in checked.items():
@@ -706,7 +824,8 @@ class MeanAccumulator:
             bound = bounds[kind]
             base = ref if where is None else ref[where]
             total = self._sums.target(key, where)
-            done, square = measure_and_fold(
+            along = self._along(key, where)
+            done, square, part = measure_and_fold(
                 value,
                 base,
                 total,
@@ -714,12 +833,28 @@ class MeanAccumulator:
                 squares.get(kind, 0.0),
                 None if kind in over else bound * bound,
                 self._scratch,
+                along,
             )
+            if along is not None:
+                dot += part
+                norm2 += (
+                    self._direction_norm2
+                    if where is None
+                    else squared_distance(along, np.zeros_like(along))
+                )
             squares[kind] = square
             folded[key] = done
             if done < value.size:
                 over.add(kind)
         distances = {kind: math.sqrt(s) for kind, s in squares.items()}
+        if self._refused(position, self._cosine(dot, distances, norm2)):
+            for key, (value, where) in checked.items():  # take back what went in
+                if not _floating(value):
+                    self._sums.add(key, value, -w, where)
+                elif folded[key]:
+                    flat_total = _flat(self._sums.target(key, where))
+                    add_scaled(flat_total[: folded[key]], _flat(value)[: folded[key]], -w)
+            return
         factors = self._accept(position, distances, bounds)
         for key, (value, where) in checked.items():
             if not _floating(value):
@@ -756,8 +891,9 @@ class MeanAccumulator:
     def _flush(self) -> None:
         if not self._buffer:
             return
+        kept = [item for item in self._buffer if not self._refused(item[0], item[4])]
         sent: dict[str, list[float]] = {}
-        for _, _, _, distances in self._buffer:
+        for _, _, _, distances, _ in kept:
             for kind, distance in distances.items():
                 if distance > 0:
                     sent.setdefault(kind, []).append(distance)
@@ -765,7 +901,7 @@ class MeanAccumulator:
             kind: self._capped(kind, self.clip_factor * lower_median(values))
             for kind, values in sent.items()
         }
-        for position, checked, w, distances in self._buffer:
+        for position, checked, w, distances, _ in kept:
             self._fold(checked, w, self._accept(position, distances, bounds))
         self._buffer = []
 
@@ -823,9 +959,14 @@ class MeanAggregator:
     name: str = "mean"
     growth: float = DEFAULT_GROWTH
     ceiling: float = 0.0
+    threshold: float = 0.0
 
     def accumulator(
-        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Return a fresh :class:`MeanAccumulator` bounded by the previous round's scale."""
         return MeanAccumulator(
@@ -834,6 +975,8 @@ class MeanAggregator:
             previous=None if previous is None else previous.medians,
             growth=self.growth,
             ceiling=self.ceiling,
+            direction=direction,
+            threshold=self.threshold,
         )
 
 
@@ -858,6 +1001,9 @@ class AggregatorSettings:
     ceiling : float
         ``clip-ceiling``: ``mean`` never lets an update move the global model by more
         than this multiple of the model's own L2 norm, per kind of entry (0: off).
+    threshold : float
+        ``trust-threshold``: ``mean`` drops an update whose cosine with the server's
+        own update on its pool is at most this (when the server computes one).
     """
 
     clip_factor: float = 0.0
@@ -866,6 +1012,7 @@ class AggregatorSettings:
     clip_norm: float = 10.0
     growth: float = DEFAULT_GROWTH
     ceiling: float = 0.0
+    threshold: float = 0.0
 
     @classmethod
     def from_run(cls, run: RunConfig) -> AggregatorSettings:
@@ -877,6 +1024,7 @@ class AggregatorSettings:
             clip_norm=run.clip_norm,
             growth=float(getattr(run, "bound_growth", DEFAULT_GROWTH)),
             ceiling=float(getattr(run, "clip_ceiling", 0.0)),
+            threshold=float(getattr(run, "trust_threshold", 0.0)),
         )
 
 
@@ -914,6 +1062,9 @@ def get_aggregator(name: str, settings: AggregatorSettings | None = None) -> Agg
 register_aggregator(
     "mean",
     lambda settings: MeanAggregator(
-        settings.clip_factor, growth=settings.growth, ceiling=settings.ceiling
+        settings.clip_factor,
+        growth=settings.growth,
+        ceiling=settings.ceiling,
+        threshold=settings.threshold,
     ),
 )

@@ -402,6 +402,8 @@ class HeteroStrategy:
             if aggregator is not None
             else get_aggregator(env.run.aggregator, AggregatorSettings.from_run(env.run))
         )
+        self.server_trust = bool(getattr(env.run, "server_trust", True))
+        """Run-config ``server-trust`` (see :meth:`pool_direction`)."""
         self.weight_cap = float(getattr(env.run, "weight_cap", 2.0))
         """Run-config ``weight-cap`` (see :func:`strategies.validation.weight_caps`)."""
         self.federation = f"{self.name}-{uuid.uuid4().hex[:12]}"
@@ -439,6 +441,51 @@ class HeteroStrategy:
             }
         return {k: v.copy() for k, v in self._templates[arch].items()}
 
+    def pool_direction(
+        self, arch: str, weights: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray] | None:
+        """Return the server's own update of ``arch``'s ``weights`` on its pool, or ``None``.
+
+        The server trains a copy of the global model on its server pool (data no
+        client holds) with the clients' schedule (``local-epochs``, ``batch-size``,
+        the SGD settings), seeded by the run and the round, and returns trained
+        minus ``weights`` per floating entry: the direction the bounded ``mean``
+        compares each update with (FLTrust's trusted root update, Cao et al. NDSS
+        2021; run-config ``trust-threshold``). ``None`` when run-config
+        ``server-trust`` is off, the pool is empty, or the update is not finite.
+        """
+        from tessera.training import OptimConfig, cross_entropy_loss, train_model
+
+        run = self.env.run
+        pool = self.env.server_pool
+        if not self.server_trust or len(pool) == 0:
+            return None
+        model = self.build_model(arch)
+        model.load_state_dict(
+            {k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False
+        )
+        optim = OptimConfig(
+            run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
+        )
+        round_seed = run.seed * 7919 + self.completed_round + 1
+        train_model(
+            model,
+            pool,
+            optim=optim,
+            device=torch.device("cpu"),
+            seed=round_seed,
+            loss_fn=cross_entropy_loss,
+        )
+        trained = wire.exchanged_state(model.state_dict())
+        out: dict[str, np.ndarray] = {}
+        for key, value in weights.items():
+            if key in trained and np.issubdtype(value.dtype, np.floating):
+                out[key] = (trained[key].detach().numpy() - value).astype(value.dtype)
+        if not all(np.all(np.isfinite(v)) for v in out.values()):
+            log.warning("the server's own update of '%s' on its pool is not finite; unused", arch)
+            return None
+        return out
+
     def array_spec(self, arch: str) -> ArraySpec:
         """Return the expected names, shapes and dtypes of ``arch``'s arrays."""
         if arch not in self._templates:
@@ -451,6 +498,15 @@ class HeteroStrategy:
         from models import list_models
 
         return list_models()
+
+    def refuse_node(self, info: NodeInfo) -> str | None:
+        """Return why a node that passed the handshake checks may not join, or None.
+
+        Called once per node, after :func:`parse_handshake` has checked its profile
+        against the registry; a reason rejects the node (logged, in ``config.json``).
+        Default: every node may join.
+        """
+        return None
 
     def assign_architectures(self, nodes: Mapping[int, NodeInfo]) -> dict[int, str | None]:
         """Map each node to the architecture it trains (``None`` leaves it out).
@@ -936,6 +992,9 @@ class HeteroStrategy:
             known = self.known_archs()
             for reply in outcome.replies:
                 info = parse_handshake(reply, known, num_classes=self.env.num_classes)
+                if not isinstance(info, Rejection):
+                    refusal = self.refuse_node(info)
+                    info = info if refusal is None else Rejection(info.node_id, refusal)
                 if isinstance(info, Rejection):
                     log.warning("handshake: node %d rejected: %s", info.node_id, info.reason)
                     self._handshake_rejections.append(info)

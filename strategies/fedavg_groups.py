@@ -27,7 +27,7 @@ class FedAvgGroupsStrategy(HeteroStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.models = GroupModels(self.aggregator, self.initial_arrays)
+        self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
 
     @property
     def group_arrays(self) -> dict[str, dict[str, np.ndarray]]:

@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.aggregators import Accumulator, AccumulatorReport, Aggregator, Index
+from strategies.aggregators import (
+    DIRECTION,
+    Accumulator,
+    AccumulatorReport,
+    Aggregator,
+    Index,
+)
 from strategies.validation import ClientReply
 from tessera import wire
 
@@ -48,13 +54,23 @@ class GroupModels:
         Folds updates into new weights.
     initial : Callable[[str], dict[str, np.ndarray]]
         Seeded initial weights of an architecture (the first time it is needed).
+    direction : Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray] | None], optional
+        The server's own update of an architecture's current weights on its pool
+        (:meth:`strategies.base.HeteroStrategy.pool_direction`), asked once per
+        group and round when its first update arrives, for aggregators that check
+        where updates point; ``None`` (or a ``None`` result) leaves it out.
     """
 
     def __init__(
-        self, aggregator: Aggregator, initial: Callable[[str], dict[str, np.ndarray]]
+        self,
+        aggregator: Aggregator,
+        initial: Callable[[str], dict[str, np.ndarray]],
+        direction: Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray] | None]
+        | None = None,
     ) -> None:
         self.aggregator = aggregator
         self.initial = initial
+        self.direction = direction
         self.arrays: dict[str, dict[str, np.ndarray]] = {}
         self.reports: dict[str, AccumulatorReport] = {}
         """Each group's last committed accumulator report (carries the clip bound)."""
@@ -80,9 +96,15 @@ class GroupModels:
     ) -> None:
         """Fold one accepted update of ``arch`` (sent by ``node``) into this round's accumulator."""
         if arch not in self._pending:
-            self._pending[arch] = self.aggregator.accumulator(
-                self.get(arch), previous=self.reports.get(arch)
-            )
+            current = self.get(arch)
+            toward = None if self.direction is None else self.direction(arch, current)
+            if toward is None:
+                acc = self.aggregator.accumulator(current, previous=self.reports.get(arch))
+            else:
+                acc = self.aggregator.accumulator(
+                    current, previous=self.reports.get(arch), direction=toward
+                )
+            self._pending[arch] = acc
             self._senders[arch] = []
         acc = self._pending[arch]
         before = acc.count
@@ -128,6 +150,16 @@ class GroupModels:
                         "bound": clip.bound,
                     }
                 )
+                if clip.kind == DIRECTION:
+                    log.warning(
+                        "node %s: update of '%s' dropped: its cosine with the server's own "
+                        "update on its pool is %.3f, at most trust-threshold %g",
+                        node,
+                        arch,
+                        clip.distance,
+                        clip.bound,
+                    )
+                    continue
                 log.info(
                     "node %s: %s of '%s' clipped from distance %.4g to %.4g (aggregator '%s')",
                     node,

@@ -208,7 +208,11 @@ class MedianAggregator:
     name: str = "median"
 
     def accumulator(
-        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Return a buffered accumulator combining by the median."""
         return BufferedAccumulator(reference, coordinate_median)
@@ -222,7 +226,11 @@ class TrimmedMeanAggregator:
     name: str = "trimmed-mean"
 
     def accumulator(
-        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Return a buffered accumulator combining by the trimmed mean."""
         fraction = self.trim_fraction
@@ -242,7 +250,11 @@ class KrumAggregator:
     name: str = "krum"
 
     def accumulator(
-        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Return a buffered accumulator combining by (multi-)Krum."""
         f, multi = self.byzantine, self.multi
@@ -265,7 +277,11 @@ class NormClipAggregator:
     name: str = "norm-clip"
 
     def accumulator(
-        self, reference: Mapping[str, np.ndarray], *, previous: AccumulatorReport | None = None
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Return a clipping accumulator."""
         return NormClipAccumulator(reference, self.max_norm)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tessera.config import ConfigError
-from tessera.state_checks import StateFileError, read_npz
+from tessera.state_checks import StateFileError, arrays_problem, read_npz
 
 TREE = "__tree__"
 ARRAY_TAG = "__array__"
@@ -87,6 +87,69 @@ def refusal(state: Mapping[str, Any], err: StateFileError) -> CheckpointError:
     return CheckpointError(f"checkpoint {source_of(state)}: {err}; {FIX}")
 
 
+def checked_arrays(
+    tree: Mapping[str, Any], key: str, expected: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """Return the arrays under ``key`` if they match ``expected`` and are finite.
+
+    For a scheme's own checkpoint entries of model weights (a personal model, a
+    generator's weights): ``expected`` is what the model has (numpy arrays or torch
+    tensors, e.g. a freshly built module's ``state_dict()``).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file, the field and the fix, if ``key`` is missing, a name,
+        shape or dtype differs, or a value is not finite.
+    """
+    field = f"{field_of(tree)}.{key}" if field_of(tree) else key
+    if key not in tree:
+        raise refusal(tree, StateFileError(field, "is missing"))
+    problem = arrays_problem(tree[key], expected, where=field)
+    if problem is not None:
+        raise refusal(tree, problem)
+    return {str(k): np.asarray(v) for k, v in tree[key].items()}
+
+
+def checked_array(
+    tree: Mapping[str, Any],
+    key: str,
+    *,
+    shape: tuple[int | None, ...] | None = None,
+    kinds: str = "f",
+) -> np.ndarray:
+    """Return the array under ``key`` if it has the shape, dtype kind and finite values asked.
+
+    ``shape`` may hold ``None`` for a dimension of any size (``None`` alone: any
+    shape); ``kinds`` lists numpy kind letters (``"f"`` floats, ``"iu"`` integers).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file, the field and the fix.
+    """
+    field = f"{field_of(tree)}.{key}" if field_of(tree) else key
+    value = tree.get(key)
+    if not isinstance(value, np.ndarray):
+        raise refusal(tree, StateFileError(field, f"is {type(value).__name__}; expected an array"))
+    fits = shape is None or (
+        value.ndim == len(shape)
+        and all(want is None or got == want for got, want in zip(value.shape, shape, strict=True))
+    )
+    if not fits or value.dtype.kind not in kinds:
+        wanted = "any" if shape is None else tuple("*" if d is None else d for d in shape)
+        raise refusal(
+            tree,
+            StateFileError(
+                field,
+                f"is {value.dtype} {value.shape}; expected shape {wanted} of kind {kinds!r}",
+            ),
+        )
+    if value.dtype.kind in "fc" and not bool(np.isfinite(value).all()):
+        raise refusal(tree, StateFileError(field, "holds NaN or infinite values"))
+    return value
+
+
 def _flatten(value: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(value, np.ndarray):
         arrays.append(value)
@@ -116,7 +179,7 @@ def _inflate(
     if isinstance(value, dict):
         if ARRAY_TAG in value:
             ref = value[ARRAY_TAG]
-            name = f"a{ref}" if isinstance(ref, int) and not isinstance(ref, bool) else None
+            name = f"a{ref}" if isinstance(ref, int) and not isinstance(ref, bool) else ""
             if len(value) != 1 or name not in arrays:
                 raise StateFileError(
                     field, f"refers to array {ref!r}, which the file does not hold"

@@ -92,13 +92,18 @@ class Limit:
         if self.low is not None and not self.low <= value <= self.high:
             raise ConfigError(
                 f"run-config key '{key}' has value {raw!r}, outside "
-                f"[{self.low:g}, {self.high:g}]: {self.fix}"
+                f"[{_number(self.low)}, {_number(self.high)}]: {self.fix}"
             )
         if value > self.high:
             raise ConfigError(
                 f"run-config key '{key}' has value {raw!r}, above the largest accepted "
-                f"{self.high:g}: {self.fix}"
+                f"{_number(self.high)}: {self.fix}"
             )
+
+
+def _number(value: float) -> str:
+    """Print a bound as people write it: whole numbers in full, others in short form."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else f"{value:g}"
 
 
 LIMITS: dict[str, Limit] = {

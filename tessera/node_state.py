@@ -210,8 +210,8 @@ class NodeState:
                 self.owner,
             )
             return
-        for name, record in loaded.array_records.items():
-            problem = record_problem(record)
+        for name, arrays in loaded.array_records.items():
+            problem = record_problem(arrays)
             if problem is not None:
                 log.warning(
                     "node state %s: record '%s' is malformed (%s); starting without the file",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from client_app.attacks import AttackSpec, attack_for, flip_labels
+from client_app.attacks import AttackSpec, attack_for, flip_labels, install_omniscient
 from server_app.app import build_server
 from strategies.aggregation import AggregationError
 from strategies.aggregators import (
@@ -138,7 +138,9 @@ class NaNAccumulator:
 class NaNAggregator:
     name = "nan"
 
-    def accumulator(self, reference: Any, *, previous: Any = None) -> NaNAccumulator:
+    def accumulator(
+        self, reference: Any, *, previous: Any = None, direction: Any = None
+    ) -> NaNAccumulator:
         return NaNAccumulator()
 
 
@@ -302,6 +304,7 @@ def test_every_attack_against_every_scheme(
         }
     )
     grid = make_grid(config, 4)
+    install_omniscient(grid, config)  # alie, ipm, ...: forged from the honest replies
     server = build_server(config, bundle=digits_bundle).runner
 
     # Execute

@@ -63,7 +63,7 @@ def test_measure_and_fold_folds_blocks_while_in_bounds(monkeypatch: pytest.Monke
     base = np.zeros(6, np.float32)
     total = np.zeros(6, np.float32)
     # Execute: limit 4 (distance 2): the first block fits, the second passes it
-    done, square = measure_and_fold(value, base, total, 3.0, 0.0, 4.0)
+    done, square, _ = measure_and_fold(value, base, total, 3.0, 0.0, 4.0)
     # Assert: only the first block went in, at weight 3; all three were measured
     assert done == 2
     assert square == pytest.approx(5.0)
@@ -204,3 +204,17 @@ def test_weight_caps_are_set_by_the_cohort() -> None:
     # off: each node weighs at most its own handshake num-train
     assert weight_caps({1: 100, 2: 50}, 0.0) == {1: 100.0, 2: 50.0}
     assert weight_caps({}, 2.0) == {}
+
+
+def test_knowledge_counts_are_capped_in_proportion() -> None:
+    from strategies.felo.knowledge import ClassKnowledge, cap_counts
+
+    part = ClassKnowledge(
+        np.array([0, 3], np.int64),
+        np.array([1000, 3000], np.int64),
+        np.zeros((2, 4), np.float32),
+    )
+    # 4000 claimed, 40 allowed: (10, 30); a count never drops below 1
+    assert cap_counts(part, 40.0).counts.tolist() == [10, 30]
+    assert cap_counts(part, 2.0).counts.tolist() == [1, 1]
+    assert cap_counts(part, 5000.0) is part

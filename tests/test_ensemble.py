@@ -197,7 +197,9 @@ def test_the_ensemble_scheme_tunes_after_the_last_round_and_exports_what_it_kept
     # the exported artifact predicts what the server's ensemble predicts
     ensemble = load_ensemble(final["ensemble_artifact"])
     assert ensemble.archs == archs
-    *_, test = server._probabilities(archs)
+    sound, excluded, splits = server._probabilities(archs)
+    assert sound == archs and excluded == {} and splits is not None
+    test = splits[2]
     alpha = np.asarray(server.kept["alpha"])
     expected = combine(test.probs, alpha).argmax(axis=1)
     got = ensemble.predict(server.env.global_test.x)

@@ -574,31 +574,32 @@ def test_streaming_scalable_aggregation_equals_the_buffered_one(
 
 
 def test_a_late_cap_scales_every_folded_layer_down_never_up() -> None:
-    # Prepare: global [0, 0]; updates [1, 0] (norm 1) and [0, 1000] (norm 1000)
+    # Prepare: global [0, 0]; updates [1, 0] (norm 1), [0, 1000] and [1000, 0] (norm 1000)
     # (percentile 100: every value counts), max_factor 10, one example each
     g = {"w": np.zeros(2, np.float32)}
     small = {"w": np.array([1.0, 0.0], np.float32)}
-    large = {"w": np.array([0.0, 1000.0], np.float32)}
-    # buffered: mean 500.5 -> factors min(500.5, 10) = 10 and 0.5005
-    # -> ([10, 0] + [0, 500.5]) / 2 = [5, 250.25]
-    buffered = scalable_aggregate(g, [small, large], percentile=100, max_factor=10.0)
-    np.testing.assert_allclose(buffered["w"], [5.0, 250.25])
+    up = {"w": np.array([0.0, 1000.0], np.float32)}
+    right = {"w": np.array([1000.0, 0.0], np.float32)}
+    # buffered: reference median(1, 1000) = 500.5 (the largest left out) -> factors
+    # min(500.5, 10) = 10 and 0.5005 twice -> ([10, 0] + [0, 500.5] + [500.5, 0]) / 3
+    buffered = scalable_aggregate(g, [small, up, right], percentile=100, max_factor=10.0)
+    np.testing.assert_allclose(buffered["w"], [510.5 / 3.0, 500.5 / 3.0], rtol=1e-6)
 
-    # Execute: the large one first, then the small one (kept: 1 * 10 < 2 * 500.5)
+    # Execute: the large ones first, then the small one (kept: 1 * 10 < 2 * 1000)
     first = ScalableAccumulator(g, percentile=100, max_factor=10.0)
-    first.add(large)
-    first.add(small)
-    # ... and the other way round: the small one is folded (1 * 10 >= 2 * 1) before the
-    # mean is known; the final mean would give it 500.5, so the multiplier is
-    # min(500.5, 10 * 1) = 10: factors 10 / 1 and 10 / 1000 -> ([10, 0] + [0, 10]) / 2
+    for state in (up, right, small):
+        first.add(state)
+    # ... and the small one first: it is folded (no reference yet) before the reference
+    # is known; the final one would give it 500.5, so the multiplier is
+    # min(500.5, 10 * 1) = 10: factors 10 / 1 and 10 / 1000 -> ([10, 0] + [0, 10] + [10, 0]) / 3
     late = ScalableAccumulator(g, percentile=100, max_factor=10.0)
-    late.add(small)
-    late.add(large)
+    for state in (small, up, right):
+        late.add(state)
 
     # Assert
-    np.testing.assert_allclose(first.result()["w"], [5.0, 250.25])
+    np.testing.assert_allclose(first.result()["w"], [510.5 / 3.0, 500.5 / 3.0], rtol=1e-6)
     assert (first.capped, first.late_caps) == (1, 0)
-    np.testing.assert_allclose(late.result()["w"], [5.0, 5.0])
+    np.testing.assert_allclose(late.result()["w"], [20.0 / 3.0, 10.0 / 3.0], rtol=1e-6)
     assert (late.capped, late.late_caps) == (1, 1)
 
 

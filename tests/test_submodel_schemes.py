@@ -80,7 +80,7 @@ def test_with_every_node_on_the_full_model_the_scheme_is_fedavg(
         "submodel-widths": "1",
         "submodel-mask-classes": False,
         "fedavg-arch": "preresnet26_025",
-        "clip-factor": 0,  # fedfa has no update bound (its scaling is its defence)
+        "clip-factor": 0,  # no update bound: FedAvg's plain mean, compared exactly
     }
     fedavg = run_scheme(run_config, digits_bundle, tmp_path / "a", {"strategy": "fedavg", **same})
     sub = run_scheme(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,18 +28,25 @@ def read_samples(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     Raises
     ------
     ValueError
-        If the file is missing or holds no samples under a known name.
+        If the file is missing, unreadable or holds no samples under a known name.
     """
     if not path.is_file():
         raise ValueError(f"no data file at {path}")
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False), None
-    with np.load(path, allow_pickle=False) as data:
-        for xs, ys in (("x", "y"), ("x_test", "y_test")):
-            if xs in data.files:
-                labels = np.asarray(data[ys]) if ys in data.files else None
-                return np.asarray(data[xs]), labels
-        raise ValueError(f"{path} holds {sorted(data.files)}; name the samples 'x' or 'x_test'")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            return loaded, None
+        with loaded as data:
+            for xs, ys in (("x", "y"), ("x_test", "y_test")):
+                if xs in data.files:
+                    labels = np.asarray(data[ys]) if ys in data.files else None
+                    return np.asarray(data[xs]), labels
+            raise ValueError(f"{path} holds {sorted(data.files)}; name the samples 'x' or 'x_test'")
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(
+            f"{path} cannot be read as samples ({type(err).__name__}: {err}); give a .npy "
+            "array or an .npz written by np.savez"
+        ) from err
 
 
 def main(argv: Sequence[str] | None = None) -> int:

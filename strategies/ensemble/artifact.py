@@ -9,13 +9,22 @@ The file (written by the ``ensemble`` scheme at the end of a run as
 - ``alpha``: the ``(N models, C classes)`` weights;
 - ``m{i}/{key}``: the weights of model ``i`` (its state dict, as exchanged).
 
-:func:`load_ensemble` checks all of it before building anything; :meth:`Ensemble.predict`
-labels a batch on CPU or CUDA. The command line is ``python -m strategies.ensemble predict``.
+:func:`load_ensemble` checks all of it before building anything, and bounds every
+size before allocating it: each entry's declared size by the file's own
+(:func:`tessera.state_checks.read_npz`), the manifest's fields by their schema (a
+sample of at most :data:`MAX_INPUT_VALUES` values), and each model's weights by
+building it first on PyTorch's ``meta`` device (shapes, no memory) and comparing its
+entries' names, shapes and dtypes with the file's, which must also be finite. Any
+failure is an :class:`ArtifactError` naming the file and the field.
+:meth:`Ensemble.predict` labels a batch on CPU or CUDA. The command line is
+``python -m strategies.ensemble predict``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +35,17 @@ import torch
 from torch import nn
 
 from strategies.ensemble.weights import combine
+from tessera import wire
+from tessera.state_checks import (
+    StateFileError,
+    arrays_problem,
+    get_int,
+    get_list,
+    get_mapping,
+    get_str,
+    int_list,
+    read_npz,
+)
 
 __all__ = [
     "FORMAT",
@@ -37,6 +57,12 @@ __all__ = [
 
 FORMAT: Final = "tessera-ensemble/1"
 """Format tag in every artifact's manifest."""
+MAX_INPUT_VALUES: Final = 1 << 24
+"""Most values one sample may have (``prod(input_shape)``); a manifest declaring more
+is refused before any model is built."""
+MODEL_KWARGS: Final = ("flat_input",)
+"""Keys a manifest's ``model_kwargs`` may hold (passed on to ``models.get_model``)."""
+_MODEL_ENTRY = re.compile(r"^m(0|[1-9][0-9]*)/(.+)$")
 
 
 class ArtifactError(ValueError):
@@ -158,8 +184,169 @@ def save_ensemble(
     return path
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """The checked fields of an artifact's manifest.
+
+    Attributes
+    ----------
+    archs : list[str]
+        Architecture names, one per model.
+    input_shape : tuple[int, ...]
+        Shape of one sample.
+    class_names : list[str]
+        One name per class.
+    norm : str
+        Normalisation the models were built with.
+    model_kwargs : dict[str, Any]
+        Further arguments of ``models.get_model`` (only :data:`MODEL_KWARGS`).
+    raw : dict[str, Any]
+        The whole manifest.
+    """
+
+    archs: list[str]
+    input_shape: tuple[int, ...]
+    class_names: list[str]
+    norm: str
+    model_kwargs: dict[str, Any]
+    raw: dict[str, Any]
+
+
+def parse_manifest(raw: Any) -> Manifest:
+    """Check a decoded manifest against its schema (nothing is built or allocated).
+
+    Parameters
+    ----------
+    raw : Any
+        The manifest's JSON value.
+
+    Returns
+    -------
+    Manifest
+        Its checked fields.
+
+    Raises
+    ------
+    StateFileError
+        Naming the first field that is missing, of the wrong type or out of range.
+    """
+    from models import FLAT_INPUTS, list_norms
+
+    if not isinstance(raw, dict):
+        raise StateFileError("manifest", f"is {type(raw).__name__}; expected a mapping")
+    tag = raw.get("format")
+    if tag != FORMAT:
+        raise StateFileError("manifest.format", f"is {tag!r}; this code reads {FORMAT!r}")
+    archs = get_list(raw, "archs", where="manifest")
+    if not archs:
+        raise StateFileError("manifest.archs", "is empty; an ensemble has at least one model")
+    archs = [get_str({"": a}, "", where=f"manifest.archs[{i}]") for i, a in enumerate(archs)]
+    shape = tuple(
+        int_list(
+            get_list(raw, "input_shape", where="manifest"), where="manifest.input_shape", minimum=1
+        )
+    )
+    if not 1 <= len(shape) <= 3 or math.prod(shape) > MAX_INPUT_VALUES:
+        raise StateFileError(
+            "manifest.input_shape",
+            f"is {list(shape)}; expected 1 to 3 dimensions of at most {MAX_INPUT_VALUES} "
+            "values in all",
+        )
+    names = get_list(raw, "class_names", where="manifest")
+    names = [get_str({"": c}, "", where=f"manifest.class_names[{i}]") for i, c in enumerate(names)]
+    num_classes = get_int(raw, "num_classes", where="manifest", minimum=2, default=len(names))
+    if num_classes != len(names) or num_classes < 2:
+        raise StateFileError(
+            "manifest.class_names",
+            f"names {len(names)} classes but num_classes is {num_classes}; expected the "
+            "same number, at least 2",
+        )
+    norm = get_str(raw, "norm", where="manifest", default="batch")
+    if norm not in list_norms():
+        raise StateFileError("manifest.norm", f"is {norm!r}; expected one of {list_norms()}")
+    kwargs = dict(get_mapping(raw, "model_kwargs", where="manifest", default={}))
+    unknown = sorted(set(kwargs) - set(MODEL_KWARGS))
+    if unknown:
+        raise StateFileError("manifest.model_kwargs", f"has unknown keys {unknown}")
+    if "flat_input" in kwargs and kwargs["flat_input"] not in FLAT_INPUTS:
+        raise StateFileError(
+            "manifest.model_kwargs.flat_input",
+            f"is {kwargs['flat_input']!r}; expected one of {list(FLAT_INPUTS)}",
+        )
+    return Manifest(
+        archs=archs,
+        input_shape=shape,
+        class_names=names,
+        norm=norm,
+        model_kwargs=kwargs,
+        raw=raw,
+    )
+
+
+def _read_artifact(file: Path) -> tuple[Manifest, np.ndarray, list[dict[str, np.ndarray]]]:
+    """Read and check an artifact's manifest, ``alpha`` and weight entries.
+
+    Raises
+    ------
+    StateFileError
+        Naming the first entry or field that fails.
+    """
+    arrays = read_npz(file)  # every entry's size bounded by the file's before it is read
+    if "manifest" not in arrays:
+        raise StateFileError("manifest", f"is missing; the file holds {sorted(arrays)[:5]}")
+    text = arrays.pop("manifest")
+    if text.ndim != 0 or text.dtype.kind != "U":
+        raise StateFileError("manifest", f"is {text.dtype} {text.shape}; expected one string")
+    try:
+        raw = json.loads(str(text))
+    except (ValueError, RecursionError) as err:
+        raise StateFileError("manifest", f"is not JSON ({err})") from err
+    manifest = parse_manifest(raw)
+    if "alpha" not in arrays:
+        raise StateFileError("alpha", "is missing")
+    alpha = arrays.pop("alpha")
+    want = (len(manifest.archs), len(manifest.class_names))
+    if alpha.dtype.kind != "f" or alpha.shape != want or not bool(np.isfinite(alpha).all()):
+        raise StateFileError(
+            "alpha",
+            f"is {alpha.dtype} {alpha.shape}; expected finite floats of shape {want} "
+            f"({want[0]} models x {want[1]} classes)",
+        )
+    weights: list[dict[str, np.ndarray]] = [{} for _ in manifest.archs]
+    for name, value in arrays.items():
+        match = _MODEL_ENTRY.match(name)
+        if match is None or int(match.group(1)) >= len(weights):
+            raise StateFileError(
+                name, f"is not an entry of the {len(weights)} model(s) the manifest names"
+            )
+        weights[int(match.group(1))][match.group(2)] = value
+    return manifest, alpha.astype(np.float64), weights
+
+
+def _skeleton(arch: str, manifest: Manifest, *, where: str) -> dict[str, torch.Tensor]:
+    """Build ``arch`` on the meta device (no memory); return its exchanged entries."""
+    from models import get_model
+
+    try:
+        with torch.device("meta"):
+            model = get_model(
+                arch,
+                input_shape=manifest.input_shape,
+                num_classes=len(manifest.class_names),
+                norm=manifest.norm,
+                **manifest.model_kwargs,
+            )
+    except Exception as err:  # an unknown name or a shape it cannot take
+        raise StateFileError(
+            where, f"names architecture {arch!r}, which cannot be built ({err})"
+        ) from err
+    return {k: v for k, v in model.state_dict().items() if wire.is_exchanged(k)}
+
+
 def load_ensemble(path: str | Path, *, device: str | torch.device = "cpu") -> Ensemble:
     """Load an artifact written by :func:`save_ensemble` and build its models.
+
+    Everything is checked before a model is built for real (module docstring).
 
     Raises
     ------
@@ -173,56 +360,40 @@ def load_ensemble(path: str | Path, *, device: str | torch.device = "cpu") -> En
     if not file.is_file():
         raise ArtifactError(f"no ensemble artifact at {file}; give the ensemble.npz of a run")
     try:
-        data = np.load(file, allow_pickle=False)
-        manifest = json.loads(str(data["manifest"]))
-        alpha = np.asarray(data["alpha"], dtype=np.float64)
-    except (OSError, ValueError, KeyError) as err:
-        raise ArtifactError(f"{file} is not a Tessera ensemble artifact: {err}") from err
-    tag = manifest.get("format") if isinstance(manifest, dict) else None
-    if tag != FORMAT:
-        raise ArtifactError(f"{file} has format {tag!r}; this code reads {FORMAT!r}")
-    archs = [str(a) for a in manifest["archs"]]
-    shape = tuple(int(n) for n in manifest["input_shape"])
-    names = [str(c) for c in manifest["class_names"]]
-    if alpha.shape != (len(archs), len(names)) or not np.isfinite(alpha).all():
+        manifest, alpha, weights = _read_artifact(file)
+        for i, arch in enumerate(manifest.archs):
+            expected = _skeleton(arch, manifest, where=f"manifest.archs[{i}]")
+            problem = arrays_problem(weights[i], expected, where=f"m{i}")
+            if problem is not None:
+                raise problem
+    except StateFileError as err:
         raise ArtifactError(
-            f"{file}: alpha has shape {alpha.shape} (or non-finite values) but the manifest "
-            f"names {len(archs)} models and {len(names)} classes"
-        )
+            f"{file} is not a Tessera ensemble artifact this code can use: {err}; export "
+            "it again from the run's checkpoint, or give the ensemble.npz of an intact run"
+        ) from err
     models: list[nn.Module] = []
-    for i, arch in enumerate(archs):
-        prefix = f"m{i}/"
-        state = {
-            k[len(prefix) :]: torch.from_numpy(np.array(data[k]))
-            for k in data.files
-            if k.startswith(prefix)
-        }
+    for i, arch in enumerate(manifest.archs):
         model = get_model(
             arch,
-            input_shape=shape,
-            num_classes=len(names),
-            norm=str(manifest.get("norm", "batch")),
-            **dict(manifest.get("model_kwargs", {})),
+            input_shape=manifest.input_shape,
+            num_classes=len(manifest.class_names),
+            norm=manifest.norm,
+            **manifest.model_kwargs,
         )
+        state = {k: torch.from_numpy(v) for k, v in weights[i].items()}
         try:
             model.load_state_dict(state, strict=False)
         except RuntimeError as err:
             raise ArtifactError(
                 f"{file}: the weights of model {i} ({arch}) do not fit: {err}"
             ) from err
-        missing = set(dict(model.named_parameters())) - set(state)
-        if missing:
-            raise ArtifactError(
-                f"{file}: model {i} ({arch}) lacks {len(missing)} weights, e.g. "
-                f"{sorted(missing)[:3]}"
-            )
         models.append(model.to(device).eval())
     return Ensemble(
-        archs=archs,
+        archs=manifest.archs,
         alpha=alpha,
-        input_shape=shape,
-        class_names=names,
-        norm=str(manifest.get("norm", "batch")),
-        manifest=manifest,
+        input_shape=manifest.input_shape,
+        class_names=manifest.class_names,
+        norm=manifest.norm,
+        manifest=manifest.raw,
         models=models,
     )

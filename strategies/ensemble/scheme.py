@@ -16,12 +16,24 @@ server tunes the ensemble ``y_j = sum_i alpha[i, j] m_i(x)_j`` of the group mode
 4. the ensemble kept is the one with the best validation accuracy among uniform
    weights and every optimiser's (ties keep the earlier, uniform first).
 
+Only sound group models are tuned: a model whose weights are not finite, or whose
+outputs on the tuning, validation or test data are not (its logits overflowed),
+is left out with the reason logged and recorded (the ``ensemble`` entry's
+``excluded``), so one node alone in its architecture group cannot end the run. The
+artifact holds the sound models; when none is sound no ensemble is tuned or
+exported, and the log and the round record (``ensemble.error``) say why.
+
+The federation's candidate set is the architectures of run-config ``model-family``
+(``mixed`` by default, one model per family): a node that names an architecture
+outside it (another family) is refused at the handshake
+(:meth:`EnsembleStrategy.refuse_node`).
+
 The round record's ``ensemble`` entry holds, per optimiser: trials, seconds and
 tuning/validation/test accuracy; the same for uniform weights and each group model
-alone; ``ensemble_accuracy`` is the kept ensemble's test accuracy. At the end of the
-run the kept ensemble is exported (``ensemble.npz``,
-:mod:`strategies.ensemble.artifact`) with a heat map of its ``alpha``
-(``ensemble_alpha.png``, models x classes, as the paper's Figure 2).
+alone, and the group models left out with why (``excluded``); ``ensemble_accuracy``
+is the kept ensemble's test accuracy. At the end of the run the kept ensemble is
+exported (``ensemble.npz``, :mod:`strategies.ensemble.artifact`) with a heat map of
+its ``alpha`` (``ensemble_alpha.png``, models x classes, as the paper's Figure 2).
 """
 
 from __future__ import annotations
@@ -36,11 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from strategies.base import RoundContext
+from strategies.base import NodeInfo, RoundContext
 from strategies.client import ClientAlgorithm
 from strategies.ensemble.optimizers import OPTIMIZERS, Split, tune
-from strategies.ensemble.weights import uniform_weights
+from strategies.ensemble.weights import output_problem, uniform_weights
 from strategies.fedavg_groups import FedAvgGroupsStrategy
+from strategies.groups import non_finite_entries
 from strategies.registry import Scheme, register_scheme
 from tessera.config import ConfigError, ConfigReader
 from tessera.data import ArrayDataset
@@ -150,35 +163,104 @@ class EnsembleStrategy(FedAvgGroupsStrategy):
         self.kept: dict[str, Any] | None = None
         """The last tuning's kept ensemble: round, archs, optimizer, alpha."""
 
+    # --------------------------------------------------------------- handshake
+    def refuse_node(self, info: NodeInfo) -> str | None:
+        """Refuse a node whose architecture is not in the federation's candidate set.
+
+        The candidates are run-config ``model-family``'s architectures (for
+        ``mixed``, its one model per family), the set every device of the
+        federation picks from; an architecture of another family would be tuned
+        into the ensemble as if it were one of them.
+        """
+        from models import list_models, model_entry
+
+        candidates = list_models(self.env.family)
+        if info.arch in candidates:
+            return None
+        families = sorted({model_entry(a).family for a in candidates})
+        where = (
+            f"family '{self.env.family}'"
+            if families == [self.env.family]
+            else f"'{self.env.family}' (families {', '.join(families)}: {', '.join(candidates)})"
+        )
+        return (
+            f"architecture '{info.arch}' of family '{info.family}' is not a candidate of this "
+            f"ensemble federation, whose architectures are those of {where}; run the node "
+            f"with the federation's run-config 'model-family' (and no node-config 'arch' "
+            "outside it)"
+        )
+
     # ------------------------------------------------------------------ tuning
     def members(self) -> list[str]:
         """Return the group models in the ensemble, by architecture (``alpha``'s rows)."""
         return sorted(self.models.arrays)
 
-    def _probabilities(self, archs: list[str]) -> tuple[Split, Split, Split]:
+    def _probabilities(
+        self, archs: list[str]
+    ) -> tuple[list[str], dict[str, str], tuple[Split, Split, Split] | None]:
+        """Return the sound members, why the others were left out, and their cached outputs.
+
+        A member is left out when its weights are not finite or its outputs on the
+        tuning, validation or test data are not (:func:`output_problem`); the splits
+        are ``None`` when no member is sound.
+        """
         from strategies.ensemble.artifact import class_probabilities
 
-        splits: list[list[np.ndarray]] = [[], [], []]
         data = (self.tuning_set, self.validation_set, self.env.global_test)
+        names = ("tuning", "validation", "test")
+        sound: list[str] = []
+        excluded: dict[str, str] = {}
+        splits: list[list[np.ndarray]] = [[], [], []]
         for arch in archs:
-            model = self.build_model(arch)
             arrays = self.models.get(arch)
+            bad = non_finite_entries(arrays)
+            if bad:
+                excluded[arch] = f"its weights hold non-finite values in {bad[:3]}"
+                continue
+            model = self.build_model(arch)
             model.load_state_dict(
                 {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}, strict=False
             )
-            for out, d in zip(splits, data, strict=True):
-                out.append(class_probabilities(model, d.x))
+            outputs = [class_probabilities(model, d.x) for d in data]
+            problems = [
+                problem
+                for out, name in zip(outputs, names, strict=True)
+                if (problem := output_problem(out, name)) is not None
+            ]
+            if problems:
+                excluded[arch] = problems[0]
+                continue
+            sound.append(arch)
+            for split, out in zip(splits, outputs, strict=True):
+                split.append(out)
+        for arch, reason in excluded.items():
+            log.warning("ensemble: group model '%s' is left out of the ensemble: %s", arch, reason)
+        if not sound:
+            return sound, excluded, None
         tuning, validation, test = (
             Split(np.stack(p), d.y) for p, d in zip(splits, data, strict=True)
         )
-        return tuning, validation, test
+        return sound, excluded, (tuning, validation, test)
 
     def tune_ensemble(self, server_round: int) -> dict[str, Any]:
-        """Tune, keep the best on validation (module docstring); return the record entry."""
-        archs = self.members()
+        """Tune, keep the best on validation (module docstring); return the record entry.
+
+        Group models that are not sound are left out (``excluded``); with none
+        sound nothing is tuned or kept, and the entry says so (``error``).
+        """
         started = time.perf_counter()
-        tuning, validation, test = self._probabilities(archs)
+        archs, excluded, cached_splits = self._probabilities(self.members())
         cached = time.perf_counter() - started
+        if cached_splits is None:
+            error = (
+                f"no group model is sound after round {server_round} "
+                f"({'; '.join(f'{a}: {r}' for a, r in excluded.items())}); no ensemble is "
+                "tuned or exported"
+            )
+            log.error("ensemble: %s", error)
+            self.kept = None
+            return {"members": [], "excluded": excluded, "error": error}
+        tuning, validation, test = cached_splits
 
         def scores(alpha: np.ndarray) -> dict[str, float]:
             return {
@@ -237,6 +319,7 @@ class EnsembleStrategy(FedAvgGroupsStrategy):
         )
         return {
             "members": archs,
+            "excluded": excluded,
             "tuning_size": len(tuning.labels),
             "validation_size": len(validation.labels),
             "cache_seconds": round(cached, 4),
@@ -255,16 +338,23 @@ class EnsembleStrategy(FedAvgGroupsStrategy):
         if self.models.arrays and (last or (every > 0 and ctx.server_round % every == 0)):
             entry = self.tune_ensemble(ctx.server_round)
             out["ensemble"] = entry
-            out["ensemble_accuracy"] = entry["optimizers"][entry["chosen"]]["test_accuracy"]
+            if "chosen" in entry:
+                out["ensemble_accuracy"] = entry["optimizers"][entry["chosen"]]["test_accuracy"]
         return out
 
     def end_of_run(self, ctx: RoundContext) -> dict[str, Any]:
-        """Tune if the last round did not; export the kept ensemble and its heat map."""
+        """Tune if the last round did not; export the kept ensemble and its heat map.
+
+        When no group model is sound there is nothing to export: the summary gets
+        ``ensemble_error`` instead, and the run ends normally.
+        """
         if not self.models.arrays:
             return {}
+        entry: dict[str, Any] = {}
         if self.kept is None or self.kept["round"] != self.completed_round:
-            self.tune_ensemble(self.completed_round)
-        assert self.kept is not None
+            entry = self.tune_ensemble(self.completed_round)
+        if self.kept is None:
+            return {"ensemble_error": entry.get("error", "no ensemble was kept")}
         out: dict[str, Any] = {
             "ensemble_optimizer": self.kept["optimizer"],
             "ensemble_members": self.kept["archs"],

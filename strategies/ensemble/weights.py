@@ -16,6 +16,7 @@ __all__ = [
     "combine",
     "ensemble_accuracy",
     "ensemble_log_loss",
+    "output_problem",
     "softmax_weights",
     "uniform_weights",
 ]
@@ -50,6 +51,31 @@ def check_probabilities(probs: np.ndarray, labels: np.ndarray | None = None) -> 
                 f"labels must lie in [0, {array.shape[2]}), got {int(y.min())}..{int(y.max())}"
             )
     return array
+
+
+def output_problem(probs: np.ndarray, split: str) -> str | None:
+    """Return why one model's ``(S, C)`` outputs on ``split`` cannot be tuned, or None.
+
+    A model whose logits overflow (weights of 1e18 do it) gives NaN or infinite
+    probabilities; the ensemble leaves such a model out rather than fail.
+
+    Examples
+    --------
+    >>> output_problem(np.array([[0.5, 0.5], [np.nan, np.nan]]), "validation")
+    'its outputs on the validation data are not finite (1 of 2 samples): its logits overflow'
+    >>> output_problem(np.array([[0.5, 0.5]]), "validation") is None
+    True
+    """
+    array = np.asarray(probs, dtype=np.float64)
+    if array.ndim != 2:
+        return f"its outputs on the {split} data have shape {array.shape}, not (samples, classes)"
+    bad = int((~np.isfinite(array)).any(axis=1).sum())
+    if bad:
+        return (
+            f"its outputs on the {split} data are not finite ({bad} of {array.shape[0]} "
+            "samples): its logits overflow"
+        )
+    return None
 
 
 def uniform_weights(num_models: int, num_classes: int) -> np.ndarray:

@@ -215,6 +215,25 @@ def collect_knowledge(
     )
 
 
+def cap_counts(knowledge: ClassKnowledge, max_total: float) -> ClassKnowledge:
+    """Scale the class counts down so that they sum to at most ``max_total``.
+
+    A node's counts weigh its knowledge in the count-weighted merge; this keeps
+    them within the weight the round allows it (its capped
+    :attr:`strategies.validation.ClientReply.weight`), in proportion, each count
+    at least 1 (a class it reports still counts).
+
+    Examples
+    --------
+    Counts (1000, 3000) capped at 40 become (10, 30).
+    """
+    total = int(knowledge.counts.sum())
+    if total <= max_total or total <= 0:
+        return knowledge
+    scaled = np.maximum(1, np.floor(knowledge.counts * (max_total / total))).astype(np.int64)
+    return ClassKnowledge(knowledge.class_ids, scaled, knowledge.logits, knowledge.features)
+
+
 def _lower_median(values: np.ndarray) -> float:
     ordered = np.sort(values)
     return float(ordered[(ordered.size - 1) // 2])

@@ -58,6 +58,7 @@ from strategies.felo.knowledge import (
     KNOWLEDGE,
     ClassKnowledge,
     bound_knowledge,
+    cap_counts,
     check_knowledge_record,
     collect_knowledge,
     knowledge_to_record,
@@ -407,7 +408,7 @@ class FeloStrategy(HeteroStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.models = GroupModels(self.aggregator, self.initial_arrays)
+        self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
         self.targets: ClassKnowledge | None = None
 
     @property
@@ -467,7 +468,11 @@ class FeloStrategy(HeteroStrategy):
         """
         run = self.env.run
         extra: dict[str, Any] = {}
-        received = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in replies]
+        # a node's counts weigh at most what the round lets it weigh (weight-cap)
+        received = [
+            cap_counts(record_to_knowledge(r.content.array_records[KNOWLEDGE]), r.weight)
+            for r in replies
+        ]
         parts, clips = bound_knowledge(received, run.clip_factor)
         for i, kind, norm, bound in clips:
             log.info(

@@ -11,9 +11,9 @@ schemes (HeteroFL, FlexiFed, NeFL, FedFA):
 - :func:`graft`: FedFA Algorithm 2, repeat each section's last block up to the
   global depth;
 - :func:`coverage_average` and :func:`scalable_aggregate` (FedFA Algorithm 1,
-  streamed by :class:`ScalableAccumulator`,
-  lines 12-22; the reading of its ambiguous parts is in
-  :mod:`~strategies.submodel.aggregate`).
+  lines 12-22, streamed by :class:`ScalableAccumulator`; the reading of its
+  ambiguous parts, and how its scaling is made a bound (:func:`reference_norm`,
+  :func:`effective_norm`), are in :mod:`~strategies.submodel.aggregate`).
 """
 
 from models.spec import (
@@ -28,7 +28,9 @@ from models.spec import (
 from strategies.submodel.aggregate import (
     ScalableAccumulator,
     coverage_average,
+    effective_norm,
     layer_norms,
+    reference_norm,
     scalable_aggregate,
     scale_state,
     scaling_factors,
@@ -44,10 +46,12 @@ __all__ = [
     "SubModelSpec",
     "coverage_average",
     "coverage_index",
+    "effective_norm",
     "extract",
     "graft",
     "layer_norms",
     "prefix_index",
+    "reference_norm",
     "roll_channels",
     "scalable_aggregate",
     "scale_state",

@@ -22,9 +22,16 @@ the versions of the libraries that compute the splits (numpy, scikit-learn,
 flwr-datasets, datasets), since a new version may split differently and a node's
 cached partition must stay the one the server computes. The file name is a digest
 of the key and the file stores the key itself, so a changed key never reads an old
-entry. An entry that cannot be read (truncated, corrupt, another key) is logged,
-deleted and rebuilt; a cache that cannot be written is logged and skipped. At most
-:data:`MAX_DISK_ENTRIES` entries are kept, the least recently used removed first.
+entry. An entry is checked before use, since a node must never fail every round
+because of what it stored: its sizes are bounded by the file's own before anything is
+read (:func:`tessera.state_checks.read_npz`), its arrays must have their dtypes and
+ranks, agree with each other, hold finite samples and labels in range, and, when the
+caller says what the federation trains on (``expect_shape``, ``expect_classes``),
+match it. An entry that fails (truncated, corrupt, another key, NaN, a shape that is
+self-consistent but wrong) is logged, deleted and rebuilt; a built entry that fails
+is used but not written. A cache that cannot be written is logged and skipped. At
+most :data:`MAX_DISK_ENTRIES` entries are kept, the least recently used removed
+first.
 
 A hub dataset (``hf:<id>``) is keyed by its id: a hub dataset that changes under
 the same id is not noticed (clear the folder). A data file replaced by one of
@@ -60,6 +67,7 @@ from tessera.data.splits import (
     federation_partitions,
     local_data,
 )
+from tessera.state_checks import read_npz
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +138,10 @@ class MemoryCache:
         while len(self._entries) > self.max_entries or total > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             total -= evicted.nbytes
+
+    def discard(self, key: str) -> None:
+        """Drop the entry of ``key`` if there is one."""
+        self._entries.pop(key, None)
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -327,8 +339,14 @@ def cache_file(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{FILE_PREFIX}{digest}.npz"
 
 
-def read_entry(path: Path, key: str) -> NodeSplits | None:
-    """Read ``key``'s entry from ``path``.
+def read_entry(
+    path: Path,
+    key: str,
+    *,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_classes: int | None = None,
+) -> NodeSplits | None:
+    """Read ``key``'s entry from ``path``, checking it before it is used.
 
     Parameters
     ----------
@@ -336,23 +354,32 @@ def read_entry(path: Path, key: str) -> NodeSplits | None:
         The cache file.
     key : str
         The key the entry must have been written for.
+    expect_shape : tuple of int, optional
+        The sample shape the federation trains on (unchecked if ``None``).
+    expect_classes : int, optional
+        The federation's class count: the entry may not have more.
 
     Returns
     -------
     NodeSplits or None
-        The entry; ``None`` if there is none, or if it is unreadable or belongs to
-        another key (then it is logged and deleted, and the caller rebuilds it).
+        The entry; ``None`` if there is none, or if it is unreadable, belongs to
+        another key or fails a check (then it is logged and deleted, and the caller
+        rebuilds it).
     """
     if not path.is_file():
         return None
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            missing = [name for name in ENTRY_ARRAYS if name not in npz.files]
-            if missing:
-                raise DataError(f"it lacks array(s) {missing}")
-            if str(npz["key"]) != key:
-                raise DataError("it was written for another key")
-            splits = _checked_entry({name: npz[name] for name in ENTRY_ARRAYS[1:]})
+        arrays = read_npz(path)  # sizes bounded by the file's before anything is read
+        missing = [name for name in ENTRY_ARRAYS if name not in arrays]
+        if missing:
+            raise DataError(f"it lacks array(s) {missing}")
+        stored = arrays["key"]
+        if stored.ndim != 0 or stored.dtype.kind != "U" or str(stored) != key:
+            raise DataError("it was written for another key")
+        splits = _checked_entry({name: arrays[name] for name in ENTRY_ARRAYS[1:]})
+        problem = entry_problem(splits, expect_shape=expect_shape, expect_classes=expect_classes)
+        if problem is not None:
+            raise DataError(problem)
     except Exception as err:  # a broken cache must never stop the node: rebuild it
         logger.warning("node data cache %s is unusable (%s); rebuilding it", path, err)
         _unlink(path)
@@ -362,10 +389,19 @@ def read_entry(path: Path, key: str) -> NodeSplits | None:
     return splits
 
 
+def _scalar_int(value: np.ndarray, *, what: str) -> int:
+    if value.ndim != 0 or value.dtype.kind not in "iu":
+        raise DataError(f"its {what} is {value.dtype} {value.shape}, not one integer")
+    return int(value)
+
+
 def _checked_entry(arrays: dict[str, np.ndarray]) -> NodeSplits:
     """Rebuild the splits from a cache file's arrays, checking they are consistent."""
-    num_classes = int(arrays["num_classes"])
-    input_shape = tuple(int(d) for d in arrays["input_shape"])
+    num_classes = _scalar_int(arrays["num_classes"], what="class count")
+    shape = arrays["input_shape"]
+    if shape.ndim != 1 or shape.dtype.kind not in "iu" or not 1 <= len(shape) <= 3:
+        raise DataError(f"its input shape is {shape.dtype} {shape.shape}, not 1 to 3 integers")
+    input_shape = tuple(int(d) for d in shape)
     train = ArrayDataset(x=arrays["x_train"], y=arrays["y_train"])
     test = ArrayDataset(x=arrays["x_test"], y=arrays["y_test"])
     if num_classes < 1 or len(train) == 0:
@@ -375,6 +411,45 @@ def _checked_entry(arrays: dict[str, np.ndarray]) -> NodeSplits:
             raise DataError(f"its {split} samples have shape {part.input_shape}, not {input_shape}")
         validate_labels(part.y, num_classes, what=f"cached {split} labels")
     return NodeSplits(train=train, test=test, num_classes=num_classes, input_shape=input_shape)
+
+
+def entry_problem(
+    splits: NodeSplits,
+    *,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_classes: int | None = None,
+    finite: bool = True,
+) -> str | None:
+    """Say why an entry cannot be used (``None``: it can).
+
+    Parameters
+    ----------
+    splits : NodeSplits
+        The entry (its dtypes, ranks and labels already checked).
+    expect_shape : tuple of int, optional
+        The sample shape the federation trains on (unchecked if ``None``).
+    expect_classes : int, optional
+        The federation's class count: the entry may not have more.
+    finite : bool
+        Also check that every sample is finite (a pass over the data).
+
+    Returns
+    -------
+    str or None
+        The problem, or ``None``.
+    """
+    if expect_shape is not None and tuple(splits.input_shape) != tuple(expect_shape):
+        return (
+            f"its samples have shape {splits.input_shape} but the federation trains on "
+            f"{tuple(expect_shape)}"
+        )
+    if expect_classes is not None and splits.num_classes > expect_classes:
+        return f"it has {splits.num_classes} classes but the federation has {expect_classes}"
+    if finite:
+        for split, part in (("train", splits.train), ("test", splits.test)):
+            if not bool(np.isfinite(part.x).all()):
+                return f"its {split} samples hold NaN or infinite values"
+    return None
 
 
 def write_entry(path: Path, key: str, splits: NodeSplits) -> None:
@@ -453,8 +528,15 @@ def cached(
     *,
     cache_dir: Path | str | None,
     memory: MemoryCache | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_classes: int | None = None,
 ) -> NodeSplits:
     """Return ``key``'s entry from memory, else from disk, else ``build()`` it.
+
+    A cached entry that does not match ``expect_shape`` / ``expect_classes`` is
+    dropped with a warning and rebuilt; a built entry is returned as it is (the
+    caller reports a real mismatch), and written to disk only if it passes
+    :func:`entry_problem`.
 
     Parameters
     ----------
@@ -466,6 +548,10 @@ def cached(
         The node's cache folder (:func:`node_cache_dir`); ``None``: memory only.
     memory : MemoryCache, optional
         The in-process cache; this process's own by default.
+    expect_shape : tuple of int, optional
+        The sample shape the federation trains on.
+    expect_classes : int, optional
+        The federation's class count.
 
     Returns
     -------
@@ -477,13 +563,27 @@ def cached(
     memory = _MEMORY if memory is None else memory
     splits = memory.get(key)
     if splits is not None:
-        return splits
+        problem = entry_problem(
+            splits, expect_shape=expect_shape, expect_classes=expect_classes, finite=False
+        )
+        if problem is None:
+            return splits
+        logger.warning("node data held in memory is unusable (%s); rebuilding it", problem)
+        memory.discard(key)
     path = None if cache_dir is None else cache_file(Path(cache_dir), key)
-    splits = None if path is None else read_entry(path, key)
+    splits = (
+        None
+        if path is None
+        else read_entry(path, key, expect_shape=expect_shape, expect_classes=expect_classes)
+    )
     if splits is None:
         splits = build()
         if path is not None:
-            write_entry(path, key, splits)
+            problem = entry_problem(splits)
+            if problem is None:
+                write_entry(path, key, splits)
+            else:
+                logger.warning("node data not cached in %s: %s", path, problem)
     else:
         logger.debug("node data read from %s", path)
     memory.put(key, splits)
@@ -501,6 +601,8 @@ def node_partition_data(
     cache_dir: Path | str | None = None,
     load: Callable[[DatasetSpec], DataBundle] = load_bundle,
     memory: MemoryCache | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_classes: int | None = None,
 ) -> NodeSplits:
     """Return one partition's local splits (:func:`client_data`), cached.
 
@@ -520,6 +622,11 @@ def node_partition_data(
         Loads the whole dataset on a miss (:func:`load_bundle`).
     memory : MemoryCache, optional
         The in-process cache; this process's own by default.
+    expect_shape : tuple of int, optional
+        The sample shape the federation trains on: a cached entry of another
+        shape is discarded and rebuilt.
+    expect_classes : int, optional
+        The federation's class count: a cached entry with more is rebuilt.
 
     Returns
     -------
@@ -561,7 +668,14 @@ def node_partition_data(
         pool_fraction=pool_fraction,
         test_fraction=test_fraction,
     )
-    return cached(key, build, cache_dir=cache_dir, memory=memory)
+    return cached(
+        key,
+        build,
+        cache_dir=cache_dir,
+        memory=memory,
+        expect_shape=expect_shape,
+        expect_classes=expect_classes,
+    )
 
 
 def node_local_data(
@@ -572,6 +686,7 @@ def node_local_data(
     num_classes: int | None = None,
     cache_dir: Path | str | None = None,
     memory: MemoryCache | None = None,
+    expect_shape: tuple[int, ...] | None = None,
 ) -> NodeSplits:
     """Return a node's own data file split into train and test (:func:`local_data`), cached.
 
@@ -589,6 +704,9 @@ def node_local_data(
         The node's cache folder (:func:`node_cache_dir`); memory only without it.
     memory : MemoryCache, optional
         The in-process cache; this process's own by default.
+    expect_shape : tuple of int, optional
+        The sample shape the federation trains on: a cached entry of another
+        shape is discarded and rebuilt.
 
     Returns
     -------
@@ -608,4 +726,11 @@ def node_local_data(
         return NodeSplits(train, test, classes, tuple(shape))
 
     key = local_file_key(path, test_fraction=test_fraction, seed=seed, num_classes=num_classes)
-    return cached(key, build, cache_dir=cache_dir, memory=memory)
+    return cached(
+        key,
+        build,
+        cache_dir=cache_dir,
+        memory=memory,
+        expect_shape=expect_shape,
+        expect_classes=num_classes,
+    )
