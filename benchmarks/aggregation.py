@@ -60,8 +60,8 @@ log = logging.getLogger("bench.aggregation")
 
 Model = dict[str, np.ndarray]
 
-BOUND_FACTOR = 3.0
-"""``clip-factor`` of the bounded contender."""
+BOUND_FACTOR = 1.0
+"""``clip-factor`` of the bounded contender (the default)."""
 
 SHARES = (0.5, 0.25, 0.125, 0.125)
 """How a model's parameters split into entries (a few layers of different sizes)."""
@@ -110,11 +110,15 @@ def streaming_mean(reference: Model, updates: Sequence[Model], weights: Sequence
 
 
 def bounded_mean(
-    reference: Model, updates: Sequence[Model], weights: Sequence[float], scale: float
+    reference: Model,
+    updates: Sequence[Model],
+    weights: Sequence[float],
+    scale: float,
+    direction: Model,
 ) -> Model:
-    """The default path: ``mean`` bounded (clip-factor, ceiling), the bound known from a last round."""
+    """Fold like the default: bounded ``mean`` with its direction check, bound known."""
     accumulator = MeanAggregator(clip_factor=BOUND_FACTOR, ceiling=4.0).accumulator(
-        reference, previous=AccumulatorReport(medians={"parameters": scale})
+        reference, previous=AccumulatorReport(medians={"parameters": scale}), direction=direction
     )
     for update, w in zip(updates, weights, strict=True):
         accumulator.add(update, w)
@@ -181,15 +185,24 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
     torch_out = torch_reference(updates, weights)
     diff = max(float(np.max(np.abs(ours[k] - torch_out[k]))) for k in shapes)
     # the bounded contender folds around a global model the updates are near (as in
-    # training): the same updates, read as global + update / 100, with a scale that
-    # clips about one in ten of them
+    # training): the same updates plus a common part, read as global + (update +
+    # 2 common) / 100, with the common part as the server's own direction (so the
+    # direction check keeps them, as in a clean round) and a scale that clips about
+    # one in ten of them
     rng = np.random.default_rng(0)
     global_model = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    near = [{k: global_model[k] + v / np.float32(100) for k, v in u.items()} for u in updates]
+    common = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    direction = {k: v / np.float32(100) for k, v in common.items()}
+    near = [
+        {k: global_model[k] + (v + 2 * common[k]) / np.float32(100) for k, v in u.items()}
+        for u in updates
+    ]
     distances = sorted(update_distances(u, global_model, {})["parameters"] for u in near)
     scale = distances[int(0.9 * (len(distances) - 1))] / BOUND_FACTOR
     clipped = MeanAggregator(clip_factor=BOUND_FACTOR, ceiling=4.0).accumulator(
-        global_model, previous=AccumulatorReport(medians={"parameters": scale})
+        global_model,
+        previous=AccumulatorReport(medians={"parameters": scale}),
+        direction=direction,
     )
     for u, w in zip(near, weights, strict=True):
         clipped.add(u, w)
@@ -203,7 +216,7 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
         ours_s = min(ours_s, best_seconds(lambda: streaming_mean(reference, updates, weights), 1))
         bounded_s = min(
             bounded_s,
-            best_seconds(lambda: bounded_mean(global_model, near, weights, scale), 1),
+            best_seconds(lambda: bounded_mean(global_model, near, weights, scale, direction), 1),
         )
         buffered_s = min(
             buffered_s, best_seconds(lambda: buffered_weighted_average(updates, weights), 1)
@@ -321,7 +334,8 @@ def table(throughput: Throughput, memories: Sequence[Memory]) -> str:
         "|---|---:|---:|",
         f"| torch in place (reference) | {t.torch_gbs:.2f} | 1.00 |",
         f"| ours: `mean` accumulator, streaming float32 | {t.ours_gbs:.2f} | {t.ratio:.2f} |",
-        f"| ours: default bounded `mean` (bound known; {t.clipped} of {t.clients} clipped) | "
+        f"| ours: default bounded `mean` with direction check (bound known; {t.clipped} of "
+        f"{t.clients} clipped) | "
         f"{t.bounded_gbs:.2f} | {t.bounded_ratio:.2f} |",
         f"| old `weighted_average`, buffered float64 | {t.buffered_gbs:.2f} | "
         f"{t.buffered_gbs / t.torch_gbs:.2f} |",

@@ -81,7 +81,8 @@ from benchmarks.harness import (
 
 sys.path.insert(0, str(ROOT))
 
-ALL_ATTACKS = ("label-flip", "backdoor", "boost", "sign-flip", "noise", "free-rider")
+from tessera.config import ATTACKS as ALL_ATTACKS  # the whole suite (15 attacks)
+
 CLEAN = "clean"
 PARTITIONERS: dict[str, dict[str, Any]] = {
     "iid": {"partitioner": "iid"},
@@ -89,6 +90,9 @@ PARTITIONERS: dict[str, dict[str, Any]] = {
 }
 SCHEMES: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg", "fedavg-arch": "cnn-2"},
+    # the sub-model scheme: slices of one global model, with its papers' static batch
+    # norm (as the leaderboard runs it)
+    "heterofl": {"strategy": "heterofl", "norm": "static-batch"},
     "felo": {"strategy": "felo"},
 }
 FEDAVG_AGGREGATORS = (
@@ -101,7 +105,13 @@ FEDAVG_AGGREGATORS = (
     "multi-krum",
 )
 FELO_MERGES = ("mean", "mean-unbounded", "median")
-SCHEME_AGGREGATORS = {"fedavg": FEDAVG_AGGREGATORS, "felo": FELO_MERGES}
+SCHEME_AGGREGATORS = {
+    "fedavg": FEDAVG_AGGREGATORS,
+    "heterofl": ("mean", "mean-unbounded"),
+    "felo": FELO_MERGES,
+}
+GLOBAL_METRIC = {"fedavg": True, "heterofl": True, "felo": False}
+"""Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {
     "dataset": "digits",
     "model-family": "cnn",
@@ -110,11 +120,11 @@ COMMON: dict[str, Any] = {
     "round-timeout": 30.0,
 }
 DEFAULTS: dict[str, str] = {
-    "schemes": "fedavg,felo",
-    "partitioners": "dirichlet",
+    "schemes": "fedavg,heterofl,felo",
+    "partitioners": "iid,dirichlet",
     "seeds": "0,1,2",
     "attacks": ",".join(ALL_ATTACKS),
-    "fractions": "0.1,0.3",
+    "fractions": "0.1,0.2,0.3",
     "aggregators": ",".join(dict.fromkeys(FEDAVG_AGGREGATORS + FELO_MERGES)),
 }
 """Defaults of the list flags (the README run; see ``--help``)."""
@@ -237,8 +247,10 @@ def cell_run_config(
     name = cell.aggregator
     unbounded = name == "mean-unbounded"
     rule = "mean" if unbounded else name
-    if unbounded:
+    if unbounded:  # the plain mean: no bound, no direction check, no knowledge clip
         config["clip-factor"] = 0.0
+        config["server-trust"] = False
+        config["knowledge-clip-factor"] = 0.0
     if cell.scheme == "felo":
         config["knowledge-merge"] = rule
     else:
@@ -274,6 +286,7 @@ def run_cell(
         ``stopped`` is the reason when the run stopped early (``max-failed-rounds``
         rounds in a row skipped, e.g. every honest client failing), else ``None``.
     """
+    from client_app.attacks import install_omniscient
     from server_app.app import build_server
     from strategies.base import RunStoppedError
     from tessera.attacks import attacked_partitions
@@ -288,6 +301,7 @@ def run_cell(
         )
         server = build_server(config, bundle=bundle).runner
         grid = make_grid(config, nodes, client_handlers())
+        install_omniscient(grid, config)  # alie, ipm, min-max, min-sum, mimic, bound-riding
         try:
             server.start(grid, num_rounds=rounds, timeout=float(config["round-timeout"]))
         except RunStoppedError as err:  # the attack broke the federation: a result
@@ -357,8 +371,7 @@ def run_grid(
     """
 
     def summary(row: dict[str, Any]) -> str:
-        fedavg = row["scheme"] == "fedavg"
-        return f"acc {_pct(row['global_accuracy'] if fedavg else row['honest_accuracy']):>5s}"
+        return f"acc {_pct(row[_metric(row['scheme'])]):>5s}"
 
     return run_cells(
         cells,
@@ -377,6 +390,86 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
+def _metric(scheme: str) -> str:
+    return "global_accuracy" if GLOBAL_METRIC[scheme] else "honest_accuracy"
+
+
+def worst_case_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """ByzFL's summary: per scheme, partitioner, aggregator and share, the worst attack.
+
+    For each group, the clean figure is the mean over seeds of the clean runs; each
+    attack's figure is the mean over seeds of its runs at that share; the worst case
+    is the smallest of those, with the attack that achieved it and its ratio to the
+    clean figure. A run that stopped early counts with the accuracy it was left at
+    (``fedavg``) or is left out (no honest accuracy).
+    """
+    out: list[dict[str, Any]] = []
+    keys = sorted({(r["scheme"], r["partitioner"], r["aggregator"]) for r in rows})
+    for scheme, partitioner, aggregator in keys:
+        metric = _metric(scheme)
+        mine = [
+            r
+            for r in rows
+            if (r["scheme"], r["partitioner"], r["aggregator"]) == (scheme, partitioner, aggregator)
+        ]
+        clean = [r[metric] for r in mine if r["attack"] == CLEAN and r[metric] is not None]
+        if not clean:
+            continue
+        clean_mean = statistics.fmean(clean)
+        for fraction in sorted({r["fraction"] for r in mine if r["attack"] != CLEAN}):
+            per_attack: dict[str, float] = {}
+            for attack in sorted({r["attack"] for r in mine if r["attack"] != CLEAN}):
+                got = [
+                    r[metric]
+                    for r in mine
+                    if r["attack"] == attack and r["fraction"] == fraction and r[metric] is not None
+                ]
+                if got:
+                    per_attack[attack] = statistics.fmean(got)
+            if not per_attack:
+                continue
+            worst = min(per_attack, key=lambda a: per_attack[a])
+            out.append(
+                {
+                    "scheme": scheme,
+                    "partitioner": partitioner,
+                    "aggregator": aggregator,
+                    "fraction": fraction,
+                    "nodes": mine[0]["nodes"],
+                    "seeds": sorted({r["seed"] for r in mine}),
+                    "clean": clean_mean,
+                    "worst": per_attack[worst],
+                    "worst_attack": worst,
+                    "ratio": per_attack[worst] / clean_mean if clean_mean > 0 else float("nan"),
+                    "attacks": len(per_attack),
+                }
+            )
+    return out
+
+
+def worst_case_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table of :func:`worst_case_rows`."""
+    summary = worst_case_rows(rows)
+    if not summary:
+        return ""
+    out = [
+        "#### Worst case over the attack suite (ByzFL's figure): mean over seeds, %\n",
+        "| scheme | split | aggregator | attackers | clean | worst case | worst attack | "
+        "worst / clean | attacks |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in summary:
+        split = "IID" if r["partitioner"] == "iid" else "Dirichlet(0.5)"
+        share = f"{round(r['fraction'] * r['nodes'])} of {r['nodes']}"
+        out.append(
+            f"| `{r['scheme']}` | {split} | {r['aggregator']} | {share} | "
+            f"{_pct(r['clean'])} | {_pct(r['worst'])} | {r['worst_attack']} | "
+            f"{r['ratio']:.2f} | {r['attacks']} |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
 def accuracy_tables(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown tables of part A: one per scheme and partitioner.
 
@@ -389,10 +482,10 @@ def accuracy_tables(rows: Sequence[Mapping[str, Any]]) -> str:
         mine = [r for r in rows if r["scheme"] == scheme]
         if not mine:
             continue
-        metric = "global_accuracy" if scheme == "fedavg" else "honest_accuracy"
+        metric = _metric(scheme)
         what = (
             "final global-model accuracy on the server test set"
-            if scheme == "fedavg"
+            if GLOBAL_METRIC[scheme]
             else "final mean personalised accuracy of the honest clients"
         )
         aggs = [a for a in SCHEME_AGGREGATORS[scheme] if any(r["aggregator"] == a for r in mine)]
@@ -456,8 +549,12 @@ def accuracy_tables(rows: Sequence[Mapping[str, Any]]) -> str:
 # -------------------------------------------------------------------------- part B
 COST_AGGREGATORS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "mean": ("mean", {"clip_factor": 0.0}, False),
-    "mean (bounded, streaming)": ("mean", {"clip_factor": 3.0}, True),
-    "mean (bounded, first round)": ("mean", {"clip_factor": 3.0}, False),
+    "mean (default: bounded, direction check, streaming)": (
+        "mean",
+        {"clip_factor": 1.0, "ceiling": 4.0},
+        True,
+    ),
+    "mean (default, first round)": ("mean", {"clip_factor": 1.0, "ceiling": 4.0}, False),
     "norm-clip": ("norm-clip", {}, False),
     "median": ("median", {}, False),
     "trimmed-mean": ("trimmed-mean", {"trim_fraction": 0.1}, False),
@@ -518,7 +615,10 @@ def _one_cost(
     if measure_memory:
         tracemalloc.start()
     seconds = 0.0
-    accumulator = aggregator.accumulator(reference, previous=previous)
+    # the default mean compares every update with the server's own update: the
+    # pool's mean difference from the reference stands in for it (kept by all)
+    direction = {k: np.mean([u[k] for u in pool], axis=0) - v for k, v in reference.items()}
+    accumulator = aggregator.accumulator(reference, previous=previous, direction=direction)
     for i in range(updates):
         update = {k: np.array(v, copy=True) for k, v in pool[i % len(pool)].items()}
         started = time.perf_counter()
@@ -692,6 +792,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             jsonl=args.out / "cells.jsonl",
             log=lambda line: print(line, flush=True),
         )
+        (args.out / "worst.json").write_text(json.dumps(worst_case_rows(rows), indent=2))
+        text.append(worst_case_table(rows))
         text.append(accuracy_tables(rows))
     if "cost" in parts:
         print("part B: aggregator cost", flush=True)

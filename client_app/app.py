@@ -104,7 +104,13 @@ def partition_config(run: RunConfig) -> PartitionConfig:
     )
 
 
-def load_node_data(run: RunConfig, node: NodeConfig) -> NodeData:
+def load_node_data(
+    run: RunConfig,
+    node: NodeConfig,
+    *,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_classes: int | None = None,
+) -> NodeData:
     """Load this node's train and local-test data (its partition or its own file).
 
     The class count is the federation's (from the whole dataset), not the largest
@@ -113,6 +119,28 @@ def load_node_data(run: RunConfig, node: NodeConfig) -> NodeData:
     ClientApp is a fresh process per message) in ``<state-dir>/.data-cache`` when
     node-config ``state-dir`` is set (:mod:`tessera.data.cache`). The arrays are
     shared with later messages: copy them before changing them in place.
+
+    A node never fails every round because of what it cached: an entry that is
+    unreadable, holds NaN, or (given what the server announced) has samples of
+    another shape or more classes than the federation is discarded with a warning
+    and rebuilt. Data built afresh is returned as it is, so a real mismatch is
+    still reported (:func:`_task_shape`).
+
+    Parameters
+    ----------
+    run : RunConfig
+        The run configuration (dataset, partitioning, splits).
+    node : NodeConfig
+        This node's configuration (partition or ``data-path``, ``state-dir``).
+    expect_shape : tuple of int, optional
+        The per-sample input shape the server announced (``None``: not checked).
+    expect_classes : int, optional
+        The federation's class count the server announced (``None``: not checked).
+
+    Returns
+    -------
+    NodeData
+        Train and local-test data, class count, input shape and partition id.
     """
     cache_dir = node_cache_dir(node.state_dir)
     if node.data_path is not None:
@@ -121,6 +149,8 @@ def load_node_data(run: RunConfig, node: NodeConfig) -> NodeData:
             test_fraction=run.local_test_fraction,
             seed=run.seed,
             cache_dir=cache_dir,
+            expect_shape=expect_shape,
+            expect_classes=expect_classes,
         )
         return NodeData(own.train, own.test, own.num_classes, own.input_shape, -1)
     assert node.partition_id is not None and node.num_partitions is not None
@@ -133,16 +163,41 @@ def load_node_data(run: RunConfig, node: NodeConfig) -> NodeData:
         test_fraction=run.local_test_fraction,
         cache_dir=cache_dir,
         load=load_bundle,  # looked up per call: tests and benchmarks replace it
+        expect_shape=expect_shape,
+        expect_classes=expect_classes,
     )
     return NodeData(part.train, part.test, part.num_classes, part.input_shape, node.partition_id)
 
 
-def _task_shape(config: ConfigRecord, data: NodeData) -> tuple[int, tuple[int, ...]]:
-    """Return the federation's class count and input shape, checked against the data."""
+def _announced_task(config: ConfigRecord) -> tuple[int | None, tuple[int, ...] | None]:
+    """Return the class count and input shape the server announced (``None``: none).
+
+    The server sends both (``num-classes``, ``input-shape``) in every train
+    message's config; Flower's own FedAvg loop (the ``flwr-fedavg`` reference)
+    sends neither.
+
+    Raises
+    ------
+    ConfigError
+        If it announced a class count without an input shape.
+    """
     if "num-classes" not in config:
-        return data.num_classes, data.input_shape
+        return None, None
+    if "input-shape" not in config:
+        raise ConfigError(
+            "the server's config names 'num-classes' but no 'input-shape'; the server "
+            "and this client run different Tessera versions (check both use the same FAB)"
+        )
     num_classes = int(config["num-classes"])  # type: ignore[arg-type]
     input_shape = tuple(int(v) for v in config["input-shape"])  # type: ignore[union-attr]
+    return num_classes, input_shape
+
+
+def _task_shape(config: ConfigRecord, data: NodeData) -> tuple[int, tuple[int, ...]]:
+    """Return the federation's class count and input shape, checked against the data."""
+    num_classes, input_shape = _announced_task(config)
+    if num_classes is None or input_shape is None:
+        return data.num_classes, data.input_shape
     if input_shape != data.input_shape:
         raise ConfigError(
             f"this node's data has samples of shape {data.input_shape} but the "
@@ -307,7 +362,8 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
     server_round = int(config.get("server-round", 0))  # type: ignore[arg-type]
     state = open_node_state(context, node, config)
-    data = load_node_data(run, node)
+    expect_classes, expect_shape = _announced_task(config)
+    data = load_node_data(run, node, expect_shape=expect_shape, expect_classes=expect_classes)
     train_set, test_set = algorithm.prepare_data(data.train, data.test)
     num_classes, input_shape = _task_shape(config, data)
     rnd = RoundInput(
@@ -359,7 +415,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     algo = build_client(run, context.run_config)
     content = msg.content
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
-    data = load_node_data(run, node)
+    expect_classes, expect_shape = _announced_task(config)
+    data = load_node_data(run, node, expect_shape=expect_shape, expect_classes=expect_classes)
     num_classes, input_shape = _task_shape(config, data)
     model = algo.build_model(
         algo.arch_for(config), input_shape=input_shape, num_classes=num_classes

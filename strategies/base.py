@@ -402,9 +402,9 @@ class HeteroStrategy:
             if aggregator is not None
             else get_aggregator(env.run.aggregator, AggregatorSettings.from_run(env.run))
         )
-        self.server_trust = bool(getattr(env.run, "server_trust", True))
+        self.server_trust = env.run.server_trust
         """Run-config ``server-trust`` (see :meth:`pool_direction`)."""
-        self.weight_cap = float(getattr(env.run, "weight_cap", 2.0))
+        self.weight_cap = env.run.weight_cap
         """Run-config ``weight-cap`` (see :func:`strategies.validation.weight_caps`)."""
         self.federation = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.nodes: dict[int, NodeInfo] = {}

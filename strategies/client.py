@@ -193,7 +193,11 @@ class ClientAlgorithm:
 
         The server's ``arrays`` record when present; otherwise, for schemes that keep
         a personal model, the one in the node's state (if it is of this
-        architecture); otherwise the fresh initialisation.
+        architecture); otherwise the fresh initialisation. A stored personal model
+        that no longer fits the model (other names, shapes or dtypes, or NaN) is
+        discarded with its metadata and a warning
+        (:meth:`~tessera.node_state.NodeState.fitting_arrays`), so the node starts
+        afresh instead of failing every round.
 
         Returns
         -------
@@ -217,7 +221,16 @@ class ClientAlgorithm:
                 rnd.arch,
             )
             return "fresh"
-        load_state_record(model, stored)
+        # A stored model that no longer fits (NaN, other shapes or dtypes: a damaged
+        # file, a changed task) would fail every round: forget it, say so, start afresh.
+        fitting = state.fitting_arrays(
+            STATE_MODEL,
+            like=wire.exchanged_state(model.state_dict()),
+            forget=(STATE_MODEL_META,),
+        )
+        if fitting is None:
+            return "fresh"
+        load_state_record(model, fitting)
         return "personal"
 
     def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:

@@ -228,13 +228,52 @@ class FlexiFedStrategy(SubModelStrategy):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the base state and the personal entries."""
+        """Restore the base state and the models, then the personal entries, checked first.
+
+        ``personal`` maps node ids of the checkpoint's node table to entries of
+        that node's architecture, each with the architecture's shape and dtype and
+        finite; none is assigned unless all pass.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import field_of, refusal
+        from tessera.state_checks import StateFileError, arrays_problem, get_mapping
+
         super().load_state_dict(state)
         self._groups = {}
-        self.personal = {
-            int(n): {str(k): np.asarray(v) for k, v in own.items()}
-            for n, own in state.get("personal", {}).items()
-        }
+        personal: dict[int, dict[str, np.ndarray]] = {}
+        try:
+            entries = get_mapping(state, "personal", default={})
+            where = field_of(entries, "personal")
+            for node, own in entries.items():
+                field = f"{where}.{node}"
+                info = self.nodes.get(int(node)) if node.isdigit() else None
+                if info is None:
+                    raise StateFileError(field, "is not a node id of the checkpoint's node table")
+                try:
+                    spec = self.array_spec(info.arch)
+                except Exception as err:  # an unknown name fails in the model registry
+                    raise StateFileError(
+                        field,
+                        f"is for architecture '{info.arch}', which this run cannot build ({err})",
+                    ) from err
+                if not isinstance(own, Mapping):
+                    raise StateFileError(field, f"is {type(own).__name__}; expected a mapping")
+                expected = {  # shape and dtype only: nothing of the model's size is allocated
+                    k: np.broadcast_to(np.zeros((), dtype), shape)
+                    for k, (shape, dtype) in spec.items()
+                    if k in own
+                }
+                problem = arrays_problem(own, expected, where=field)
+                if problem is not None:
+                    raise problem
+                personal[int(node)] = {str(k): np.asarray(v) for k, v in own.items()}
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.personal = personal
 
 
 SCHEME = register_scheme(

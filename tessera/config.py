@@ -398,6 +398,9 @@ class RunConfig:
     weight_cap: float
     bound_growth: float
     clip_ceiling: float
+    server_trust: bool
+    trust_threshold: float
+    knowledge_clip_factor: float
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -481,6 +484,9 @@ class RunConfig:
             weight_cap=r.get("weight-cap", float),
             bound_growth=r.get("bound-growth", float),
             clip_ceiling=r.get("clip-ceiling", float),
+            server_trust=r.get("server-trust", bool),
+            trust_threshold=r.get("trust-threshold", float),
+            knowledge_clip_factor=r.get("knowledge-clip-factor", float),
         )
         cfg.validate()
         return cfg
@@ -711,6 +717,19 @@ class RunConfig:
             "clip-ceiling",
             self.clip_ceiling,
             "use 0 (off) or a non-negative multiple of the global model's norm, e.g. 4",
+        )
+        _require(
+            self.knowledge_clip_factor == 0 or self.knowledge_clip_factor >= 1,
+            "knowledge-clip-factor",
+            self.knowledge_clip_factor,
+            "use 0 (no bound) or a multiple >= 1 of the cohort's median row norm, e.g. 3",
+        )
+        _require(
+            -1 <= self.trust_threshold < 1,
+            "trust-threshold",
+            self.trust_threshold,
+            "use a cosine in [-1, 1), e.g. 0 (drop updates that point away from the "
+            "server's own update); switch the check off with server-trust=false",
         )
         _require(
             bool(self.output_dir.strip()),

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from tessera.checkpoint import CheckpointError, load_state, save_state
+from tessera.checkpoint import CheckpointError, load_state, refusal, save_state
+from tessera.state_checks import StateFileError, get_int
 
 CHECKPOINT = "checkpoint.npz"
 
@@ -68,6 +69,51 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _records_up_to(path: Path, last: int) -> list[dict[str, Any]]:
+    """Return the round records of ``metrics.jsonl`` at ``path`` up to round ``last``.
+
+    A line that is not JSON was cut by a crash: it and the lines after it are
+    dropped (those rounds run again). A complete line must be a round record.
+
+    Raises
+    ------
+    CheckpointError
+        If the file is not UTF-8 text or a complete line is not an object whose
+        ``round`` is an integer >= 0; the message names the file, the line and the
+        fix.
+    """
+    kept: list[dict[str, Any]] = []
+    if not path.exists():
+        return kept
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(
+            f"{path} is not UTF-8 text ({err}); the file is damaged or edited: restore it "
+            "from a copy, or start afresh without run-config 'resume'"
+        ) from err
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by the crash: it and anything after are redone
+        try:
+            if not isinstance(record, dict):
+                raise StateFileError(
+                    "", f"holds a JSON {type(record).__name__}, not a round record (an object)"
+                )
+            if get_int(record, "round", default=0) <= last:
+                kept.append(record)
+        except StateFileError as err:
+            raise CheckpointError(
+                f"{path} line {number}: {err}; the file is damaged or edited: restore it "
+                "from a copy, or start afresh without run-config 'resume'"
+            ) from err
+    return kept
+
+
 class ResultsWriter:
     """Writes one run's results folder.
 
@@ -108,7 +154,10 @@ class ResultsWriter:
         Raises
         ------
         CheckpointError
-            If the folder has no readable checkpoint.
+            If the folder has no readable checkpoint, its ``round`` is not an
+            integer >= 0, or a complete line of ``metrics.jsonl`` is not a round
+            record (an object whose ``round`` is an integer >= 0); the message names
+            the file, the field and the fix. Nothing is rewritten then.
         """
         folder = Path(directory).expanduser().resolve()
         if not (folder / CHECKPOINT).is_file():
@@ -117,19 +166,12 @@ class ResultsWriter:
                 "the results folder of a run that wrote checkpoints (checkpoint-every >= 1)"
             )
         state = load_state(folder / CHECKPOINT)
+        try:
+            last = get_int(state, "round", default=0)
+        except StateFileError as err:
+            raise refusal(state, err) from err
         writer = cls(folder, _resuming=True)
-        last = int(state.get("round", 0))
-        kept: list[dict[str, Any]] = []
-        if writer.metrics_path.exists():
-            for line in writer.metrics_path.read_text(encoding="utf-8").splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by the crash: it and anything after are redone
-                if int(record.get("round", 0)) <= last:
-                    kept.append(record)
+        kept = _records_up_to(writer.metrics_path, last)
         _write_atomic(writer.metrics_path, "".join(dumps(r) + "\n" for r in kept))
         writer.rounds = kept
         return writer, state

@@ -296,7 +296,7 @@ def test_fedfa_bounds_a_boosted_node_and_keeps_its_references(
     for key, reference in server.references.items():
         moved = float(np.linalg.norm(new[key].astype(np.float64) - g[key]))
         honest = sorted(float(np.linalg.norm(u[key])) for i, u in enumerate(updates) if i != 1)
-        assert reference <= honest[1] * (1 + 1e-6), key
+        assert reference <= honest[1] * (1 + 1e-4), key  # float32 rounding of g + u - g
         assert moved <= 3 * reference * (1 + 1e-4), key
     assert record["capped_layers"] == 0 and record["unreferenced_layers"] == 0
     # the references travel in the checkpoint: a later lone node is scaled by them

@@ -960,3 +960,212 @@ def test_the_predict_command_prints_the_error_and_exits_non_zero(
     garbage.write_bytes(b"PK\x03\x04 not really a zip")
     assert main(["predict", str(artifact), str(garbage)]) == 2
     assert "cannot be read as samples" in capsys.readouterr().err
+
+
+# ======================================================= through the ClientApp
+# A node's own stored state and data cache, damaged between two rounds, read back
+# by the real ``train`` handler in a new process: the round trains, with a warning.
+NODE_ID = 7
+FEDERATION_ID = "fed-a"
+
+
+def node_context(
+    run_config: RunConfigFactory, state_dir: Path, *, strategy: str = "local", **node: Any
+) -> Any:
+    """A fresh ClientApp context (as after a restart) of a node with a ``state-dir``."""
+    from tessera.local_grid import make_context
+
+    where = node or {"partition-id": 1, "num-partitions": 3}
+    config = run_config({"strategy": strategy, "local-epochs": 1, "model-family": "cnn"})
+    return make_context(NODE_ID, config, {**where, "state-dir": str(state_dir)})
+
+
+def round_message(server_round: int, *, scheme: str = "local") -> Any:
+    """The server's train message: cnn-1 on the 10 digit classes of shape (1, 8, 8)."""
+    from tessera.local_grid import instruction
+
+    config = ConfigRecord(
+        {
+            "server-round": server_round,
+            "scheme": scheme,
+            "arch": "cnn-1",
+            "num-classes": 10,
+            "input-shape": [1, 8, 8],
+            "federation": FEDERATION_ID,
+        }
+    )
+    return instruction(
+        RecordDict({wire.CONFIG: config}), dst_node_id=NODE_ID, message_type="train"
+    )
+
+
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, torch.Tensor]]:
+    """The model's weights as local training starts, one entry per train call."""
+    import client_app.app
+
+    seen: list[dict[str, torch.Tensor]] = []
+    real = client_app.app.train_model
+
+    def recording(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(client_app.app, "train_model", recording)
+    return seen
+
+
+def _nan_personal(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    first = next(k for k, v in state.items() if v.is_floating_point())
+    return {**state, first: torch.full_like(state[first], float("nan"))}
+
+
+def _five_class_personal(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Same names, a 5-class head: a model of another task."""
+    from models import get_model
+
+    other = get_model("cnn-1", input_shape=(1, 8, 8), num_classes=5)
+    return wire.exchanged_state(other.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("damage", "logged"),
+    [
+        (_nan_personal, "holds NaN or infinite values"),
+        (_five_class_personal, r"is float32 \(5, \d+\) but the model has float32 \(10, \d+\)"),
+    ],
+)
+def test_a_node_restarted_with_a_bad_personal_model_trains_afresh_with_a_warning(
+    run_config: RunConfigFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    fast_clients: None,
+    fresh_memory: None,
+    starts: list[dict[str, torch.Tensor]],
+    damage: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    logged: str,
+) -> None:
+    from client_app.app import STATE_MODEL, STATE_MODEL_META, train
+    from strategies.client import MODEL_ROUNDS
+    from tessera.config import NodeConfig
+
+    # Prepare: round 1 keeps a personal model in the state-dir; the file is then
+    # damaged and the node restarts (a new context, its state empty)
+    first = node_context(run_config, tmp_path)
+    train(round_message(1), first)
+    owner = NodeConfig.from_flower(first.node_config).owner
+    on_disk = NodeState.open(
+        RecordDict(), state_dir=str(tmp_path), federation=FEDERATION_ID, owner=owner
+    )
+    stored = on_disk.arrays(STATE_MODEL)
+    assert stored is not None and on_disk.restored_from_disk
+    on_disk.put(STATE_MODEL, ArrayRecord(damage(stored.to_torch_state_dict())))
+    on_disk.save(1)
+    restarted = node_context(run_config, tmp_path)
+
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="flwr.tessera"):
+        reply = train(round_message(2), restarted)
+
+    # Assert: said why, started from the fresh initialisation (the same seeded
+    # weights round 1 started from), trained, and stored a good model again
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        "stored 'tessera.model' does not fit the model" in m and re.search(logged, m)
+        for m in messages
+    ), messages
+    assert len(starts) == 2
+    for name, value in starts[0].items():
+        torch.testing.assert_close(starts[1][name], value)
+    metrics = reply.content.metric_records[wire.METRICS]
+    assert metrics[MODEL_ROUNDS] == 1  # the personal model's count starts again
+    assert np.isfinite(metrics[wire.TRAIN_LOSS])
+    model = restarted.state.array_records[STATE_MODEL]
+    assert model_problem(model, wire.exchanged_state(starts[0])) is None
+    assert restarted.state.config_records[STATE_MODEL_META]["rounds"] == 1
+
+
+def _more_classes(arrays: dict[str, np.ndarray]) -> None:
+    """Self-consistent, wrong: the entry claims 20 classes (its labels stay below 10)."""
+    arrays["num_classes"] = np.asarray(20, np.int64)
+
+
+@pytest.mark.parametrize(
+    ("change", "logged"),
+    [
+        (_nan_sample, "NaN or infinite"),
+        (_flattened, r"shape \(1, 64\) but the federation trains on \(1, 8, 8\)"),
+        (_more_classes, "20 classes but the federation has 10"),
+    ],
+)
+def test_a_node_whose_data_cache_entry_is_bad_rebuilds_it_and_trains(
+    run_config: RunConfigFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    fast_clients: None,
+    fresh_memory: None,
+    change: Callable[[dict[str, np.ndarray]], None],
+    logged: str,
+) -> None:
+    from client_app.app import train
+
+    # Prepare: round 1 writes the node's data cache; it is damaged, and the next
+    # message comes to a new process (nothing in memory)
+    context = node_context(run_config, tmp_path, strategy="fedavg-groups")
+    first = train(round_message(1, scheme="fedavg-groups"), context)
+    (entry,) = (tmp_path / ".data-cache").glob("node-data-*.npz")
+    rewrite(entry, change)
+    clear_memory_cache()
+
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="tessera.data.cache"):
+        second = train(round_message(2, scheme="fedavg-groups"), context)
+
+    # Assert: discarded with the reason, rebuilt the same, written back good
+    assert any(
+        "is unusable" in r.getMessage() and re.search(logged, r.getMessage())
+        for r in caplog.records
+    ), caplog.text
+    before = first.content.metric_records[wire.METRICS]
+    after = second.content.metric_records[wire.METRICS]
+    for key in (wire.NUM_EXAMPLES, wire.NUM_TEST_EXAMPLES):
+        assert after[key] == before[key]
+    assert np.isfinite(after[wire.TRAIN_LOSS])
+    with np.load(entry) as npz:
+        assert np.isfinite(npz["x_train"]).all()
+        assert tuple(npz["input_shape"]) == (1, 8, 8) and int(npz["num_classes"]) == 10
+
+
+def test_a_node_whose_own_data_file_cache_claims_more_classes_rebuilds_it(
+    run_config: RunConfigFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    fast_clients: None,
+    fresh_memory: None,
+) -> None:
+    from client_app.app import train
+
+    # Prepare: a node with its own data file (labels 0..9); its cache entry then
+    # claims 20 classes, which the handler would refuse as a real mismatch
+    data = tmp_path / "mine.npz"
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 1, 8, 8), dtype=np.float32)
+    np.savez(data, x_train=x, y_train=np.arange(60, dtype=np.int64) % 10)
+    state_dir = tmp_path / "state"
+    context = node_context(
+        run_config, state_dir, strategy="fedavg-groups", **{"data-path": str(data)}
+    )
+    train(round_message(1, scheme="fedavg-groups"), context)
+    (entry,) = (state_dir / ".data-cache").glob("node-data-*.npz")
+    rewrite(entry, _more_classes)
+    clear_memory_cache()
+
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="tessera.data.cache"):
+        reply = train(round_message(2, scheme="fedavg-groups"), context)
+
+    # Assert: 60 samples, local-test-fraction 0.2 -> 48 train
+    assert "20 classes but the federation has 10" in caplog.text
+    assert reply.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES] == 48
+    with np.load(entry) as npz:
+        assert int(npz["num_classes"]) == 10

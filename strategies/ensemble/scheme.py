@@ -186,7 +186,7 @@ class EnsembleStrategy(FedAvgGroupsStrategy):
         return (
             f"architecture '{info.arch}' of family '{info.family}' is not a candidate of this "
             f"ensemble federation, whose architectures are those of {where}; run the node "
-            f"with the federation's run-config 'model-family' (and no node-config 'arch' "
+            "with the federation's run-config 'model-family' (and no node-config 'arch' "
             "outside it)"
         )
 

@@ -618,21 +618,138 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`, the scheme's part checked before any is assigned.
+
+        The base part is restored first (it refuses a checkpoint of another scheme
+        or another experiment). ``target`` is ``None`` or a ``K_bar`` target
+        (:func:`target_from_state`, checked against this run's RAD);
+        ``rad_holders`` maps node ids of the checkpoint's node table to a round in
+        ``[1, round]``.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError, get_int, get_mapping
+
         super().load_state_dict(state)
-        target = state.get("target")
-        self.target = None
-        if target is not None:
-            kernel = FactoredKernel(
-                factor=np.asarray(target["factor"]),
-                rank=int(target["rank"]),
-                energy=float(target["energy"]),
-                cka=float(target["cka"]),
+        target = None
+        if state.get("target") is not None:
+            try:
+                tree = get_mapping(state, "target")
+            except StateFileError as err:
+                raise refusal(state, err) from err
+            target = target_from_state(
+                tree,
+                rows=self.rad.rows,
+                sample_shape=tuple(int(d) for d in self.rad.pool_x.shape[1:]),
+                last_round=self.completed_round,
             )
-            self.target = AlignmentTarget(
-                np.asarray(target["x"]), kernel, int(target["built_in_round"])
+        try:
+            holders: dict[int, int] = {}
+            for node, rnd in get_mapping(state, "rad_holders", default={}).items():
+                if not node.isdigit() or int(node) not in self.nodes:
+                    raise StateFileError(
+                        f"rad_holders.{node}", "is not a node id of the checkpoint's node table"
+                    )
+                holders[int(node)] = get_int({node: rnd}, node, where="rad_holders", minimum=1)
+                if holders[int(node)] > self.completed_round:
+                    raise StateFileError(
+                        f"rad_holders.{node}",
+                        f"is round {rnd}, after the checkpoint's round {self.completed_round}",
+                    )
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.target = target
+        self.rad_holders = holders
+
+
+def target_from_state(
+    state: Mapping[str, Any],
+    *,
+    rows: int,
+    sample_shape: tuple[int, ...],
+    last_round: int,
+) -> AlignmentTarget:
+    """Return the ``K_bar`` target of checkpoint entry ``target``, every field checked first.
+
+    ``x`` must be the RAD's finite float rows (``rows`` samples of
+    ``sample_shape``); ``factor`` a finite float ``(rows, rank)`` array whose
+    largest magnitude is 1 (:func:`~strategies.fedhenn.kbar.factorise` scales it
+    so); ``rank`` an integer in ``[1, rows]``; ``energy`` a number in ``(0, 1]``;
+    ``cka`` a number in ``[0, 1]``; ``built_in_round`` a round in
+    ``[1, last_round]``.
+
+    Parameters
+    ----------
+    state : Mapping[str, Any]
+        The entry (a :class:`~tessera.checkpoint.StateTree` names its file and
+        field in the error).
+    rows : int
+        Rows of this run's RAD.
+    sample_shape : tuple[int, ...]
+        Shape of one server-pool sample.
+    last_round : int
+        The checkpoint's round.
+
+    Returns
+    -------
+    AlignmentTarget
+        The target.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the checkpoint file, the field and the fix.
+    """
+    from tessera.checkpoint import checked_array, field_of, refusal
+    from tessera.state_checks import StateFileError, get_int
+
+    where = field_of(state)
+    tolerance = 1e-6
+
+    def field(key: str) -> str:
+        return f"{where}.{key}" if where else key
+
+    def fraction(key: str, low: float, *, open_low: bool) -> float:
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise StateFileError(field(key), f"is {value!r}; expected a number")
+        number = float(value)
+        below = number <= low if open_low else number < low - tolerance
+        if not math.isfinite(number) or below or number > 1.0 + tolerance:
+            interval = f"({low:g}, 1]" if open_low else f"[{low:g}, 1]"
+            raise StateFileError(field(key), f"is {number!r}; expected a number in {interval}")
+        return number
+
+    x = checked_array(state, "x", shape=(rows, *sample_shape))
+    factor = checked_array(state, "factor", shape=(rows, None))
+    try:
+        rank = get_int(state, "rank", where=where, minimum=1)
+        if factor.shape[1] != rank or rank > rows:
+            raise StateFileError(
+                field("rank"),
+                f"is {rank} but the factor has {factor.shape[1]} columns and the RAD {rows} rows",
             )
-        self.rad_holders = {int(n): int(r) for n, r in state.get("rad_holders", {}).items()}
+        peak = float(np.max(np.abs(factor.astype(np.float64))))
+        if not 0.0 < peak <= 1.0 + 1e-3:
+            raise StateFileError(
+                field("factor"), f"has largest magnitude {peak:.4g}; a K_bar factor is scaled to 1"
+            )
+        energy = fraction("energy", 0.0, open_low=True)
+        cka = fraction("cka", 0.0, open_low=False)
+        built = get_int(state, "built_in_round", where=where, minimum=1)
+        if built > last_round:
+            raise StateFileError(
+                field("built_in_round"),
+                f"is {built}, after the checkpoint's round {last_round}",
+            )
+    except StateFileError as err:
+        raise refusal(state, err) from err
+    kernel = FactoredKernel(factor=factor, rank=rank, energy=energy, cka=cka)
+    return AlignmentTarget(x, kernel, built)
 
 
 def fedhenn_server(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
@@ -473,16 +473,16 @@ class FeloStrategy(HeteroStrategy):
             cap_counts(record_to_knowledge(r.content.array_records[KNOWLEDGE]), r.weight)
             for r in replies
         ]
-        parts, clips = bound_knowledge(received, run.clip_factor)
+        parts, clips = bound_knowledge(received, run.knowledge_clip_factor)
         for i, kind, norm, bound in clips:
             log.info(
-                "round %d: node %d's %s clipped from norm %.4g to %.4g (clip-factor %g)",
+                "round %d: node %d's %s clipped from norm %.4g to %.4g (knowledge-clip-factor %g)",
                 ctx.server_round,
                 replies[i].node_id,
                 kind,
                 norm,
                 bound,
-                run.clip_factor,
+                run.knowledge_clip_factor,
             )
         merged = merge_knowledge(
             parts, self.env.num_classes, rule=run.knowledge_merge, trim_fraction=run.trim_fraction
@@ -547,11 +547,74 @@ class FeloStrategy(HeteroStrategy):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`, all of the scheme's part checked first.
+
+        The base part is restored first (it refuses a checkpoint of another scheme
+        or another experiment); then the scheme's own entries are checked
+        (:meth:`checked_scheme_state`) and the group models are checked and
+        restored (:meth:`~strategies.groups.GroupModels.load_state_dict`); only when
+        both pass are the scheme's entries assigned.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix, if an entry fails
+            its check.
+        """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError, get_mapping
+
         super().load_state_dict(state)
-        self.models.load_state_dict(state.get("group_models", {}))
-        targets = state.get("targets")
-        self.targets = None if targets is None else knowledge_from_state(targets)
+        restore = self.checked_scheme_state(state)
+        try:
+            group_models = get_mapping(state, "group_models", default={})
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.models.load_state_dict(group_models)
+        restore()
+
+    def checked_scheme_state(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        """Check the scheme's own checkpoint entries; return what assigns them.
+
+        Felo's entry is ``targets``: ``None`` (before the first aggregation) or the
+        per-class knowledge of :func:`knowledge_from_state`, with features of width
+        ``feature-dim`` when the scheme exchanges features and none otherwise.
+        Subclasses extend it (``super().checked_scheme_state(state)`` first).
+
+        Parameters
+        ----------
+        state : Mapping[str, Any]
+            The checkpoint (:meth:`state_dict`, read back).
+
+        Returns
+        -------
+        Callable[[], None]
+            Assigns the checked entries; called once everything has passed.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError, get_mapping
+
+        targets: ClassKnowledge | None = None
+        if state.get("targets") is not None:
+            try:
+                tree = get_mapping(state, "targets")
+            except StateFileError as err:
+                raise refusal(state, err) from err
+            targets = knowledge_from_state(
+                tree,
+                num_classes=self.env.num_classes,
+                feature_dim=self.felo.feature_dim if self.felo.exchange_features else None,
+            )
+
+        def restore() -> None:
+            self.targets = targets
+
+        return restore
 
 
 def knowledge_state(knowledge: ClassKnowledge) -> dict[str, Any]:
@@ -564,15 +627,109 @@ def knowledge_state(knowledge: ClassKnowledge) -> dict[str, Any]:
     }
 
 
-def knowledge_from_state(state: Mapping[str, Any]) -> ClassKnowledge:
-    """Inverse of :func:`knowledge_state`."""
-    features = state.get("features")
+def knowledge_from_state(
+    state: Mapping[str, Any], *, num_classes: int, feature_dim: int | None
+) -> ClassKnowledge:
+    """Inverse of :func:`knowledge_state`, every entry checked before use.
+
+    ``class_ids`` must be a non-empty 1-d integer array of distinct ids in
+    ``[0, num_classes)``; ``counts`` one positive integer per class; ``logits``
+    finite floats ``(K, num_classes)``; ``features`` finite floats
+    ``(K, feature_dim)``, or ``None`` when ``feature_dim`` is ``None``.
+
+    Parameters
+    ----------
+    state : Mapping[str, Any]
+        The entries (a :class:`~tessera.checkpoint.StateTree` names its file and
+        field in the error).
+    num_classes : int
+        Number of classes of the task.
+    feature_dim : int | None
+        Width of the features, or ``None`` for a scheme that exchanges logits only.
+
+    Returns
+    -------
+    ClassKnowledge
+        The knowledge (int64 ids and counts, float32 logits and features).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the checkpoint file, the field and the fix.
+    """
+    from tessera.checkpoint import checked_array, field_of, refusal
+    from tessera.state_checks import StateFileError
+
+    where = field_of(state)
+
+    def field(key: str) -> str:
+        return f"{where}.{key}" if where else key
+
+    ids = checked_array(state, "class_ids", shape=(None,), kinds="iu")
+    k = int(ids.shape[0])
+    counts = checked_array(state, "counts", shape=(k,), kinds="iu")
+    logits = checked_array(state, "logits", shape=(k, num_classes))
+    try:
+        if k == 0:
+            raise StateFileError(field("class_ids"), "is empty; targets cover at least one class")
+        outside = ids[(ids < 0) | (ids >= num_classes)]
+        if outside.size:
+            raise StateFileError(
+                field("class_ids"),
+                f"holds {outside[:5].tolist()}, outside the task's classes [0, {num_classes})",
+            )
+        if np.unique(ids).size != k:
+            raise StateFileError(field("class_ids"), f"repeats a class: {ids.tolist()[:20]}")
+        if np.any(counts <= 0):
+            raise StateFileError(
+                field("counts"), "holds a count <= 0; every class a target covers has samples"
+            )
+        if feature_dim is None and state.get("features") is not None:
+            raise StateFileError(
+                field("features"), "holds features, but this scheme exchanges logits only"
+            )
+    except StateFileError as err:
+        raise refusal(state, err) from err
+    features = None
+    if feature_dim is not None:
+        features = checked_array(state, "features", shape=(k, feature_dim)).astype(np.float32)
     return ClassKnowledge(
-        class_ids=np.asarray(state["class_ids"]),
-        counts=np.asarray(state["counts"]),
-        logits=np.asarray(state["logits"]),
-        features=None if features is None else np.asarray(features),
+        class_ids=ids.astype(np.int64),
+        counts=counts.astype(np.int64),
+        logits=logits.astype(np.float32),
+        features=features,
     )
+
+
+def checked_cvae(state: Mapping[str, Any], key: str, config: CVAEConfig) -> CVAE:
+    """Return the CVAE whose weights are checkpoint entry ``key``, checked first.
+
+    The entry must hold exactly the arrays of ``CVAE(config).state_dict()`` (names,
+    shapes, dtypes), all finite, and the standardisation ``scale`` must be
+    positive (features are divided by it).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the checkpoint file, the field and the fix; a shape that differs
+        may also come from other ``feature-dim`` or ``cvae-*`` settings than the
+        checkpoint's.
+    """
+    from tessera.checkpoint import checked_arrays, field_of, refusal
+    from tessera.state_checks import StateFileError
+
+    model = CVAE(config)
+    weights = checked_arrays(state, key, model.state_dict())
+    if np.any(weights["scale"] <= 0):
+        where = f"{field_of(state)}.{key}" if field_of(state) else key
+        raise refusal(
+            state,
+            StateFileError(
+                f"{where}.scale", "holds a value <= 0; a standardisation scale is positive"
+            ),
+        )
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
+    return model
 
 
 class VeloStrategy(FeloStrategy):
@@ -611,24 +768,77 @@ class VeloStrategy(FeloStrategy):
             "cvae_classes": self.cvae_classes,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        super().load_state_dict(state)
-        sizes = [int(n) for n in np.asarray(state["bank_sizes"])]
-        ids, feats = np.asarray(state["bank_ids"]), np.asarray(state["bank_features"])
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        self.feature_bank = [
-            (int(rnd), ids[offsets[k] : offsets[k + 1]], feats[offsets[k] : offsets[k + 1]])
-            for k, rnd in enumerate(np.asarray(state["bank_rounds"]))
-        ]
-        self.cvae_classes = np.asarray(state["cvae_classes"], dtype=np.int64)
-        weights = state.get("cvae")
-        self.cvae = None
-        if weights is not None:
-            self.cvae = CVAE(self.felo.cvae_config(self.env.num_classes))
-            self.cvae.load_state_dict(
-                {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+    def checked_scheme_state(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        """Check Felo's entries, the feature bank and the CVAE; return what assigns them.
+
+        The bank is ``bank_rounds`` and ``bank_sizes`` (one integer per reply kept:
+        its round, in ``[1, round]`` of the checkpoint, and its number of classes,
+        >= 1), ``bank_ids`` (the class ids, in ``[0, num_classes)``, as many as the
+        sizes add up to) and ``bank_features`` (finite floats, one row of
+        ``feature-dim`` per id); ``cvae_classes`` are class ids; ``cvae`` is
+        ``None`` or exactly the arrays of this run's CVAE (names, shapes, dtypes),
+        finite, its standardisation ``scale`` positive.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import checked_array, refusal
+        from tessera.state_checks import StateFileError
+
+        restore_felo = super().checked_scheme_state(state)
+        num_classes = self.env.num_classes
+        rounds = checked_array(state, "bank_rounds", shape=(None,), kinds="iu")
+        sizes = checked_array(state, "bank_sizes", shape=rounds.shape, kinds="iu")
+        try:
+            if rounds.size and (rounds.min() < 1 or rounds.max() > self.completed_round):
+                raise StateFileError(
+                    "bank_rounds",
+                    f"holds rounds {rounds.min()} to {rounds.max()}; expected rounds in "
+                    f"[1, {self.completed_round}] (the checkpoint's round)",
+                )
+            if sizes.size and sizes.min() < 1:
+                raise StateFileError(
+                    "bank_sizes", f"holds {sizes.min()}; every reply kept has >= 1 class"
+                )
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        total = sum(int(n) for n in sizes)  # Python integers: no wrap-around
+        ids = checked_array(state, "bank_ids", shape=(total,), kinds="iu")
+        features = checked_array(state, "bank_features", shape=(total, self.felo.feature_dim))
+        classes = checked_array(state, "cvae_classes", shape=(None,), kinds="iu")
+        try:
+            for key, values in (("bank_ids", ids), ("cvae_classes", classes)):
+                outside = values[(values < 0) | (values >= num_classes)]
+                if outside.size:
+                    raise StateFileError(
+                        key,
+                        f"holds {outside[:5].tolist()}, outside the task's classes "
+                        f"[0, {num_classes})",
+                    )
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        cvae = None
+        if state.get("cvae") is not None:
+            cvae = checked_cvae(state, "cvae", self.felo.cvae_config(num_classes))
+        offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        bank = [
+            (
+                int(rnd),
+                ids[offsets[k] : offsets[k + 1]].astype(np.int64),
+                features[offsets[k] : offsets[k + 1]].astype(np.float32),
             )
+            for k, rnd in enumerate(rounds)
+        ]
+
+        def restore() -> None:
+            restore_felo()
+            self.feature_bank = bank
+            self.cvae_classes = classes.astype(np.int64)
+            self.cvae = cvae
+
+        return restore
 
     def target_state(self) -> Any:
         """Return the feature bank and the CVAE, which :meth:`make_targets` replaces."""

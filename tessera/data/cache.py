@@ -687,6 +687,7 @@ def node_local_data(
     cache_dir: Path | str | None = None,
     memory: MemoryCache | None = None,
     expect_shape: tuple[int, ...] | None = None,
+    expect_classes: int | None = None,
 ) -> NodeSplits:
     """Return a node's own data file split into train and test (:func:`local_data`), cached.
 
@@ -707,6 +708,11 @@ def node_local_data(
     expect_shape : tuple of int, optional
         The sample shape the federation trains on: a cached entry of another
         shape is discarded and rebuilt.
+    expect_classes : int, optional
+        The federation's class count, when known but not given as ``num_classes``
+        (which is part of the key and changes how labels are counted): a cached
+        entry with more classes is discarded and rebuilt. ``num_classes`` is
+        expected by default.
 
     Returns
     -------
@@ -726,11 +732,13 @@ def node_local_data(
         return NodeSplits(train, test, classes, tuple(shape))
 
     key = local_file_key(path, test_fraction=test_fraction, seed=seed, num_classes=num_classes)
+    if num_classes is not None:
+        expect_classes = num_classes if expect_classes is None else min(num_classes, expect_classes)
     return cached(
         key,
         build,
         cache_dir=cache_dir,
         memory=memory,
         expect_shape=expect_shape,
-        expect_classes=num_classes,
+        expect_classes=expect_classes,
     )
