@@ -98,6 +98,8 @@ SCHEMES: dict[str, dict[str, Any]] = {
 FEDAVG_AGGREGATORS = (
     "mean",
     "mean-unbounded",
+    "mean-bound-only",
+    "mean-clip3",
     "norm-clip",
     "median",
     "trimmed-mean",
@@ -110,6 +112,12 @@ SCHEME_AGGREGATORS = {
     "heterofl": ("mean", "mean-unbounded"),
     "felo": FELO_MERGES,
 }
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "mean-bound-only": {"server-trust": False},
+    "mean-clip3": {"server-trust": False, "clip-factor": 3.0},
+}
+"""The default ``mean`` without parts of it: the size bound alone (no direction check),
+and the previous default (``clip-factor=3``, no direction check)."""
 GLOBAL_METRIC = {"fedavg": True, "heterofl": True, "felo": False}
 """Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {
@@ -251,6 +259,9 @@ def cell_run_config(
         config["clip-factor"] = 0.0
         config["server-trust"] = False
         config["knowledge-clip-factor"] = 0.0
+    elif name in ABLATIONS:
+        rule = "mean"
+        config.update(ABLATIONS[name])
     if cell.scheme == "felo":
         config["knowledge-merge"] = rule
     else:

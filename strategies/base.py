@@ -458,8 +458,13 @@ class HeteroStrategy:
 
         run = self.env.run
         pool = self.env.server_pool
-        if not self.server_trust or len(pool) == 0:
-            return None
+        if (
+            not self.server_trust
+            or len(pool) == 0
+            or self.aggregator.name != "mean"
+            or run.clip_factor <= 0
+        ):
+            return None  # only the bounded mean checks directions
         model = self.build_model(arch)
         model.load_state_dict(
             {k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False

@@ -203,7 +203,7 @@ class FedFAStrategy(SubModelStrategy):
             raise ValueError(f"node {reply.node_id} sent no weights")
         grafted = graft(reply.arrays, self.layout, self.full.depths)
         index = coverage_index(self.global_state, grafted)
-        weight = float(reply.num_examples) if self.options.weighted else 1.0
+        weight = reply.weight if self.options.weighted else 1.0
         if not self.options.scaling:
             self.models.fold(self.global_name, grafted, weight, index=index, node=reply.node_id)
             return without_arrays(reply)

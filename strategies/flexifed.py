@@ -191,7 +191,7 @@ class FlexiFedStrategy(SubModelStrategy):
         """Average each entry into the models that share it; keep personal entries apart."""
         if reply.arrays is None:
             raise ValueError(f"node {reply.node_id} sent no weights")
-        weight = float(reply.num_examples)
+        weight = reply.weight
         targets: dict[str, dict[str, np.ndarray]] = {}
         personal: dict[str, np.ndarray] = {}
         for key, (group, own) in self.groups_of(reply.arch).items():

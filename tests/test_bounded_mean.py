@@ -218,3 +218,58 @@ def test_knowledge_counts_are_capped_in_proportion() -> None:
     assert cap_counts(part, 40.0).counts.tolist() == [10, 30]
     assert cap_counts(part, 2.0).counts.tolist() == [1, 1]
     assert cap_counts(part, 5000.0) is part
+
+
+# ------------------------------------------------------------- direction check
+@pytest.mark.parametrize("previous", [None, {"parameters": 10.0}])
+def test_an_update_pointing_away_from_the_server_is_dropped_whole(
+    previous: dict[str, float] | None,
+) -> None:
+    # Prepare: the server's own update points along (1, 0); threshold 0
+    ref = vec(1.0, 1.0)
+    direction = {"w": np.array([1.0, 0.0], np.float32)}
+    acc = MeanAccumulator(
+        ref, clip_factor=1.0, previous=previous, direction=direction, threshold=0.0
+    )
+    # Execute: deltas (2, 1) (cos 0.894), (1, -1) (cos 0.707), (-3, 0) (cos -1)
+    acc.add(vec(3.0, 2.0), 1.0)
+    acc.add(vec(2.0, 0.0), 1.0)
+    acc.add(vec(-2.0, 1.0), 5.0)
+    out = acc.result()["w"]
+    # Assert: the third is gone (its weight 5 too); the bound (streaming: 10; first
+    # round: lower median of the two kept, sqrt(2)) clips the first in the first round
+    if previous is None:
+        first = np.array([1.0, 1.0]) + np.sqrt(2.0) / np.sqrt(5.0) * np.array([2.0, 1.0])
+    else:
+        first = np.array([3.0, 2.0])
+    np.testing.assert_allclose(out, (first + np.array([2.0, 0.0])) / 2.0, rtol=1e-6)
+    dropped = [c for c in acc.report().clips if c.kind == aggregators.DIRECTION]
+    assert [(c.position, c.distance, c.bound) for c in dropped] == [(2, pytest.approx(-1.0), 0.0)]
+    # what was dropped never enters the next scale either: (sqrt 5, sqrt 2) -> sqrt 2
+    assert acc.report().medians["parameters"] == pytest.approx(
+        np.sqrt(2.0) if previous is None else 5.0  # growth: at least 10 / 2
+    )
+
+
+def test_dropping_takes_back_blocks_already_folded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks of one element: the hostile update's first block is folded before its
+    # cosine is known, and taken back out when it is
+    monkeypatch.setattr(aggregators, "CHUNK", 1)
+    ref = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+    direction = {"a": np.array([1.0, 1.0], np.float32), "b": np.array([1.0, 1.0], np.float32)}
+    acc = MeanAccumulator(ref, clip_factor=1.0, previous={"parameters": 100.0}, direction=direction)
+    acc.add({"a": np.array([1.0, 1.0], np.float32), "b": np.array([1.0, 1.0], np.float32)}, 1.0)
+    acc.add({"a": np.array([0.5, 0.0], np.float32), "b": np.array([-3.0, -3.0], np.float32)}, 1.0)
+    out = acc.result()
+    np.testing.assert_allclose(out["a"], [1.0, 1.0])
+    np.testing.assert_allclose(out["b"], [1.0, 1.0])
+
+
+def test_no_usable_direction_means_no_check() -> None:
+    for direction in ({"w": np.zeros(2, np.float32)}, {"w": np.array([np.nan, 1.0], np.float32)}):
+        acc = MeanAccumulator(
+            vec(0.0, 0.0), clip_factor=1.0, previous={"parameters": 10.0}, direction=direction
+        )
+        acc.add(vec(-1.0, 0.0), 1.0)
+        np.testing.assert_allclose(acc.result()["w"], [-1.0, 0.0])
+        assert acc.report().clips == ()

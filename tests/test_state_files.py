@@ -994,18 +994,16 @@ def round_message(server_round: int, *, scheme: str = "local") -> Any:
             "federation": FEDERATION_ID,
         }
     )
-    return instruction(
-        RecordDict({wire.CONFIG: config}), dst_node_id=NODE_ID, message_type="train"
-    )
+    return instruction(RecordDict({wire.CONFIG: config}), dst_node_id=NODE_ID, message_type="train")
 
 
 @pytest.fixture
 def starts(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, torch.Tensor]]:
     """The model's weights as local training starts, one entry per train call."""
     import client_app.app
+    from tessera.training import train_model as real
 
     seen: list[dict[str, torch.Tensor]] = []
-    real = client_app.app.train_model
 
     def recording(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})

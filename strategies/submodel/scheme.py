@@ -366,7 +366,7 @@ class SubModelStrategy(HeteroStrategy):
             width=width,
             depth=depth,
         )
-        self.models = GroupModels(self.aggregator, self.group_initial)
+        self.models = GroupModels(self.aggregator, self.group_initial, self.pool_direction)
         self._index: dict[str, dict[str, Index]] = {}
         if self.env.run.norm == "batch":
             log.warning(
@@ -477,7 +477,7 @@ class SubModelStrategy(HeteroStrategy):
         private = self.private_keys(reply.arch)
         index = self.index_of(reply.arch)
         shared = {k: v for k, v in reply.arrays.items() if k not in private}
-        weight = float(reply.num_examples)
+        weight = reply.weight
         self.models.fold(
             self.global_name,
             shared,
