@@ -84,15 +84,19 @@ sys.path.insert(0, str(ROOT))
 from tessera.config import ATTACKS as ALL_ATTACKS  # the whole suite (15 attacks)
 
 CLEAN = "clean"
+ABSENT = "absent"
+"""Not an attack: the drawn hostile partitions simply stay away, so the federation is
+the honest nodes alone (ByzFL's reference: its attackers come on top of the honest
+clients, while here they take honest partitions' places and their data is lost)."""
 PARTITIONERS: dict[str, dict[str, Any]] = {
     "iid": {"partitioner": "iid"},
     "dirichlet": {"partitioner": "dirichlet", "dirichlet-alpha": 0.5},
 }
 SCHEMES: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg", "fedavg-arch": "cnn-2"},
-    # the sub-model scheme: slices of one global model, with its papers' static batch
-    # norm (as the leaderboard runs it)
-    "heterofl": {"strategy": "heterofl", "norm": "static-batch"},
+    # the sub-model scheme: slices of one global model (its default family,
+    # preresnet), with its papers' static batch norm (as the leaderboard runs it)
+    "heterofl": {"strategy": "heterofl", "norm": "static-batch", "model-family": ""},
     "felo": {"strategy": "felo"},
 }
 FEDAVG_AGGREGATORS = (
@@ -200,6 +204,8 @@ def make_cells(
             for partitioner in partitioners:
                 for aggregator in own:
                     out.append(Cell(scheme, partitioner, seed, CLEAN, 0.0, aggregator))
+                    for fraction in fractions:
+                        out.append(Cell(scheme, partitioner, seed, ABSENT, fraction, aggregator))
                     for attack in attacks:
                         for fraction in fractions:
                             out.append(
@@ -243,9 +249,9 @@ def cell_run_config(
             "seed": cell.seed,
             "num-server-rounds": rounds,
             "local-epochs": local_epochs,
-            "min-nodes": nodes,
-            "attack": "" if cell.attack == CLEAN else cell.attack,
-            "attack-fraction": cell.fraction if cell.attack != CLEAN else 0.0,
+            "min-nodes": nodes - len(attackers) if cell.attack == ABSENT else nodes,
+            "attack": "" if cell.attack in (CLEAN, ABSENT) else cell.attack,
+            "attack-fraction": cell.fraction if cell.attack not in (CLEAN, ABSENT) else 0.0,
             "krum-byzantine": max(1, len(attackers)),
             "trim-fraction": cell.fraction if cell.fraction > 0 else 0.1,
             "output-dir": str(output_dir),
@@ -313,6 +319,9 @@ def run_cell(
         server = build_server(config, bundle=bundle).runner
         grid = make_grid(config, nodes, client_handlers())
         install_omniscient(grid, config)  # alie, ipm, min-max, min-sum, mimic, bound-riding
+        if cell.attack == ABSENT:  # the hostile partitions never connect
+            for partition in attacked_partitions(nodes, cell.fraction, cell.seed):
+                grid.contexts.pop(100 + partition, None)
         try:
             server.start(grid, num_rounds=rounds, timeout=float(config["round-timeout"]))
         except RunStoppedError as err:  # the attack broke the federation: a result
@@ -428,8 +437,14 @@ def worst_case_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             continue
         clean_mean = statistics.fmean(clean)
         for fraction in sorted({r["fraction"] for r in mine if r["attack"] != CLEAN}):
+            alone = [
+                r[metric]
+                for r in mine
+                if r["attack"] == ABSENT and r["fraction"] == fraction and r[metric] is not None
+            ]
+            honest_only = statistics.fmean(alone) if alone else None
             per_attack: dict[str, float] = {}
-            for attack in sorted({r["attack"] for r in mine if r["attack"] != CLEAN}):
+            for attack in sorted({r["attack"] for r in mine} - {CLEAN, ABSENT}):
                 got = [
                     r[metric]
                     for r in mine
@@ -452,6 +467,10 @@ def worst_case_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                     "worst": per_attack[worst],
                     "worst_attack": worst,
                     "ratio": per_attack[worst] / clean_mean if clean_mean > 0 else float("nan"),
+                    "honest_only": honest_only,
+                    "ratio_honest": (
+                        per_attack[worst] / honest_only if honest_only else float("nan")
+                    ),
                     "attacks": len(per_attack),
                 }
             )
@@ -465,17 +484,18 @@ def worst_case_table(rows: Sequence[Mapping[str, Any]]) -> str:
         return ""
     out = [
         "#### Worst case over the attack suite (ByzFL's figure): mean over seeds, %\n",
-        "| scheme | split | aggregator | attackers | clean | worst case | worst attack | "
-        "worst / clean | attacks |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|",
+        "| scheme | split | aggregator | attackers | clean | honest only | worst case | "
+        "worst attack | worst / clean | worst / honest only | attacks |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in summary:
         split = "IID" if r["partitioner"] == "iid" else "Dirichlet(0.5)"
         share = f"{round(r['fraction'] * r['nodes'])} of {r['nodes']}"
         out.append(
             f"| `{r['scheme']}` | {split} | {r['aggregator']} | {share} | "
-            f"{_pct(r['clean'])} | {_pct(r['worst'])} | {r['worst_attack']} | "
-            f"{r['ratio']:.2f} | {r['attacks']} |"
+            f"{_pct(r['clean'])} | {_pct(r['honest_only'])} | {_pct(r['worst'])} | "
+            f"{r['worst_attack']} | {r['ratio']:.2f} | {r['ratio_honest']:.2f} | "
+            f"{r['attacks']} |"
         )
     out.append("")
     return "\n".join(out)

@@ -651,7 +651,7 @@ class MeanAccumulator:
         self.reference = dict(reference)
         self.threshold = float(threshold)
         self.direction: dict[str, np.ndarray] | None = None
-        norm2 = 0.0
+        self._direction_norms2: dict[str, float] = {}
         if direction is not None:
             keys = [k for k in self.reference if _is_parameter(k, self.reference[k])]
             good = all(
@@ -660,11 +660,16 @@ class MeanAccumulator:
                 and direction[k].dtype == self.reference[k].dtype
                 for k in keys
             )
-            norm2 = sum(squared_distance(direction[k], np.zeros_like(direction[k])) for k in keys)
+            norms2 = {
+                k: squared_distance(direction[k], np.zeros_like(direction[k]))
+                for k in keys
+                if good
+            }
+            norm2 = sum(norms2.values())
             if good and keys and math.isfinite(norm2) and norm2 > 0:
                 self.direction = {k: np.ascontiguousarray(direction[k]) for k in keys}
-        self._direction_norm2 = norm2 if self.direction is not None else 0.0
-        """Squared L2 norm of the direction's learned parameters."""
+                self._direction_norms2 = norms2
+        """Squared L2 norm of each entry of the direction (learned parameters)."""
         self.clip_factor = float(clip_factor)
         self.max_distance = max_distance
         self.growth = float(growth)
@@ -843,7 +848,7 @@ class MeanAccumulator:
             if along is not None:
                 dot += part
                 norm2 += (
-                    self._direction_norm2
+                    self._direction_norms2[key]
                     if where is None
                     else squared_distance(along, np.zeros_like(along))
                 )

@@ -16,10 +16,11 @@ measurements behind it):
 - a client is scaled to the median norm of the *others* (at most; the paper's
   cohort mean holds the client's own norm, so an oversized update raised its own
   reference and scaled every honest layer up);
-- run-config ``clip-factor`` (default 3) bounds the full L2 norm of a scaled
-  update to that multiple of the reference, so values hidden above the percentile
-  the norm ignores are bounded too (an honest update is within it, and keeps the
-  paper's factor); ``clip-factor=0`` leaves FedFA's trimmed norm alone;
+- run-config ``clip-factor`` bounds the full L2 norm of a scaled update to that
+  multiple of the reference, so values hidden above the percentile the norm
+  ignores are bounded too (at 3 nearly every honest layer is within it and keeps
+  the paper's factor; at 1 full norms are compared throughout);
+  ``clip-factor=0`` leaves FedFA's trimmed norm alone;
 - batch-norm running statistics, which are not scaled, are folded by the
   ``aggregator`` (``mean`` with ``clip-factor``): each update's statistics are
   clipped to ``clip-factor`` times the cohort's median distance, as in the other

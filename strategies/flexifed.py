@@ -147,6 +147,12 @@ class FlexiFedStrategy(SubModelStrategy):
         """Return a sharing group's initial weights: those of its first architecture."""
         return super().group_initial(sorted(group.split("+"))[0])
 
+    def pool_direction(
+        self, arch: str, weights: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray] | None:
+        """Return the server's own update of a sharing group (its first architecture's)."""
+        return super().pool_direction(sorted(arch.split("+"))[0], weights)
+
     def archs_in_use(self, extra: str | None = None) -> tuple[str, ...]:
         """Return the architectures assigned to nodes (plus ``extra``), sorted."""
         archs = set(self.assignment.values()) | ({extra} if extra else set())

@@ -36,8 +36,9 @@ def test_cells_cover_the_clean_run_and_every_attack_per_scheme(bench: ModuleType
         aggregators=["mean", "krum"],
     )
 
-    # Assert: felo has no krum; each (scheme, seed, aggregator) has 1 clean + 2 x 2 attacked
-    assert len(cells) == 2 * (2 + 1) * (1 + 2 * 2)
+    # Assert: felo has no krum; each (scheme, seed, aggregator) has 1 clean, 2 with the
+    # attackers absent (one per fraction) and 2 x 2 attacked
+    assert len(cells) == 2 * (2 + 1) * (1 + 2 + 2 * 2)
     assert len({c.key for c in cells}) == len(cells)
     assert {c.aggregator for c in cells if c.scheme == "felo"} == {"mean"}
     assert sum(c.attack == "clean" for c in cells) == 2 * 3
@@ -102,13 +103,16 @@ def test_a_tiny_grid_writes_one_row_per_cell_and_resumes(
     table = bench.accuracy_tables(rows)
 
     # Assert
-    assert [r["key"] for r in rows] == [c.key for c in cells] and len(rows) == 4
-    assert len(jsonl.read_text().splitlines()) == 4  # the second call ran nothing
+    # (per aggregator: clean, attackers absent, label-flip)
+    assert [r["key"] for r in rows] == [c.key for c in cells] and len(rows) == 6
+    assert len(jsonl.read_text().splitlines()) == 6  # the second call ran nothing
     assert again == [json.loads(line) for line in jsonl.read_text().splitlines()]
     for row in rows:
         assert row["rounds"] == row["rounds_run"] == 1 and row["stopped"] is None
         assert row["failed"] == 0 and row["skipped_rounds"] == 0
         assert 0.0 <= row["global_accuracy"] <= 1.0
+        if row["attack"] == "absent":  # the drawn partition never connected
+            assert row["honest_accuracy"] is not None
         assert row["attackers"] == ([] if row["attack"] == "clean" else [row["attackers"][0]])
     assert all(r["attack_success"] is not None for r in rows if r["attack"] == "label-flip")
     assert "| attack \\ aggregator | mean | median |" in table
@@ -149,3 +153,41 @@ def test_cost_rows_compare_every_aggregator_with_mean(bench: ModuleType) -> None
         assert set(row) >= {"seconds", "ratio", "peak_mib", "seconds_all"}
         assert len(row["seconds_all"]) == 2 and row["peak_mib"] >= 0
     assert table.count("\n| ") == len(rows) + 1  # header + one line per aggregator
+
+
+def test_worst_case_is_the_smallest_seed_mean_over_the_suite(bench: ModuleType) -> None:
+    # Prepare: two seeds; clean 0.9 / 0.8, honest-only 0.8 / 0.8, attacks a and b
+    def row(seed: int, attack: str, fraction: float, acc: float) -> dict[str, Any]:
+        return {
+            "scheme": "fedavg",
+            "partitioner": "iid",
+            "aggregator": "mean",
+            "seed": seed,
+            "attack": attack,
+            "fraction": fraction,
+            "nodes": 5,
+            "global_accuracy": acc,
+        }
+
+    rows = [
+        row(0, "clean", 0.0, 0.9),
+        row(1, "clean", 0.0, 0.8),
+        row(0, "absent", 0.2, 0.8),
+        row(1, "absent", 0.2, 0.8),
+        row(0, "a", 0.2, 0.5),  # mean 0.65
+        row(1, "a", 0.2, 0.8),
+        row(0, "b", 0.2, 0.7),  # mean 0.6: the worst
+        row(1, "b", 0.2, 0.5),
+    ]
+
+    # Execute
+    (summary,) = bench.worst_case_rows(rows)
+
+    # Assert
+    assert summary["worst_attack"] == "b"
+    assert summary["clean"] == pytest.approx(0.85)
+    assert summary["worst"] == pytest.approx(0.6)
+    assert summary["ratio"] == pytest.approx(0.6 / 0.85)
+    assert summary["ratio_honest"] == pytest.approx(0.6 / 0.8)
+    assert summary["attacks"] == 2
+    assert "| 1 of 5 |" in bench.worst_case_table(rows)

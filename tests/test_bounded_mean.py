@@ -273,3 +273,16 @@ def test_no_usable_direction_means_no_check() -> None:
         acc.add(vec(-1.0, 0.0), 1.0)
         np.testing.assert_allclose(acc.result()["w"], [-1.0, 0.0])
         assert acc.report().clips == ()
+
+
+def test_the_cosine_spans_every_entry_once() -> None:
+    # direction (1 | 0) over two entries; update (-1 | 1): cosine -1 / sqrt(2)
+    ref = {"a": np.zeros(1, np.float32), "b": np.zeros(1, np.float32)}
+    direction = {"a": np.ones(1, np.float32), "b": np.zeros(1, np.float32)}
+    for previous in (None, {"parameters": 10.0}):
+        acc = MeanAccumulator(ref, clip_factor=1.0, previous=previous, direction=direction)
+        acc.add({"a": np.array([2.0], np.float32), "b": np.array([0.0], np.float32)}, 1.0)
+        acc.add({"a": np.array([-1.0], np.float32), "b": np.array([1.0], np.float32)}, 1.0)
+        acc.result()
+        (dropped,) = acc.report().clips
+        assert dropped.distance == pytest.approx(-1.0 / np.sqrt(2.0))
