@@ -40,7 +40,7 @@ B. **Cost** (``--parts cost``). Each aggregator folds ``--updates`` updates of
 
 Usage::
 
-    .venv/bin/python benchmarks/robustness.py [--parts accuracy,cost]
+    .venv/bin/python benchmarks/robustness.py [--parts accuracy,cost] [--report-only]
         [--schemes fedavg,felo] [--partitioners dirichlet] [--seeds 0,1,2]
         [--attacks label-flip,backdoor,boost,sign-flip,noise,free-rider]
         [--fractions 0.1,0.3] [--aggregators mean,mean-unbounded,...]
@@ -494,7 +494,8 @@ def worst_case_table(rows: Sequence[Mapping[str, Any]]) -> str:
         out.append(
             f"| `{r['scheme']}` | {split} | {r['aggregator']} | {share} | "
             f"{_pct(r['clean'])} | {_pct(r['honest_only'])} | {_pct(r['worst'])} | "
-            f"{r['worst_attack']} | {r['ratio']:.2f} | {r['ratio_honest']:.2f} | "
+            f"{r['worst_attack']} | {r['ratio']:.2f} | "
+            f"{'-' if r['honest_only'] is None else format(r['ratio_honest'], '.2f')} | "
             f"{r['attacks']} |"
         )
     out.append("")
@@ -780,6 +781,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--log-level", default="ERROR", help="Flower/Tessera log level (default ERROR)"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-robustness")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild the tables from every cell already in --out/cells.jsonl",
+    )
     args = parser.parse_args(argv)
     bad = set(_list(args.parts)) - {"accuracy", "cost"}
     if bad:
@@ -815,14 +821,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             fractions=[float(f) for f in _list(args.fractions)],
             aggregators=_list(args.aggregators),
         )
-        rows = run_grid(
-            cells,
-            nodes=args.nodes,
-            rounds=args.rounds,
-            local_epochs=args.local_epochs,
-            jsonl=args.out / "cells.jsonl",
-            log=lambda line: print(line, flush=True),
-        )
+        if args.report_only:
+            from benchmarks.harness import read_rows
+
+            rows = list({r["key"]: r for r in read_rows(args.out / "cells.jsonl")}.values())
+        else:
+            rows = run_grid(
+                cells,
+                nodes=args.nodes,
+                rounds=args.rounds,
+                local_epochs=args.local_epochs,
+                jsonl=args.out / "cells.jsonl",
+                log=lambda line: print(line, flush=True),
+            )
         (args.out / "worst.json").write_text(json.dumps(worst_case_rows(rows), indent=2))
         text.append(worst_case_table(rows))
         text.append(accuracy_tables(rows))

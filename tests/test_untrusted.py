@@ -168,11 +168,13 @@ def set_num_examples(value: int) -> Callable[[Message], Message | None]:
 def test_inflated_num_examples_cannot_replace_the_global_model(
     run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
 ) -> None:
-    # Prepare: node 102 claims 1e18 training examples
+    # Prepare: node 102 claims 1e18 training examples (the plain mean, clip-factor 0:
+    # the default bound would clip the larger of the two honest updates)
     config = run_config(
         {
             **TINY,
             "strategy": "fedavg",
+            "clip-factor": 0.0,
             "num-server-rounds": 1,
             "output-dir": str(tmp_path),
             "run-name": "r",
