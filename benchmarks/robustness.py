@@ -424,14 +424,14 @@ def worst_case_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     (``fedavg``) or is left out (no honest accuracy).
     """
     out: list[dict[str, Any]] = []
-    keys = sorted({(r["scheme"], r["partitioner"], r["aggregator"]) for r in rows})
-    for scheme, partitioner, aggregator in keys:
+
+    def group(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (r["scheme"], r["nodes"], r.get("rounds", 0), r["partitioner"], r["aggregator"])
+
+    for key in sorted({group(r) for r in rows}):
+        scheme = key[0]
         metric = _metric(scheme)
-        mine = [
-            r
-            for r in rows
-            if (r["scheme"], r["partitioner"], r["aggregator"]) == (scheme, partitioner, aggregator)
-        ]
+        mine = [r for r in rows if group(r) == key]
         clean = [r[metric] for r in mine if r["attack"] == CLEAN and r[metric] is not None]
         if not clean:
             continue
@@ -458,10 +458,11 @@ def worst_case_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "scheme": scheme,
-                    "partitioner": partitioner,
-                    "aggregator": aggregator,
+                    "partitioner": key[3],
+                    "aggregator": key[4],
                     "fraction": fraction,
                     "nodes": mine[0]["nodes"],
+                    "rounds": mine[0].get("rounds"),
                     "seeds": sorted({r["seed"] for r in mine}),
                     "clean": clean_mean,
                     "worst": per_attack[worst],
@@ -484,15 +485,15 @@ def worst_case_table(rows: Sequence[Mapping[str, Any]]) -> str:
         return ""
     out = [
         "#### Worst case over the attack suite (ByzFL's figure): mean over seeds, %\n",
-        "| scheme | split | aggregator | attackers | clean | honest only | worst case | "
+        "| scheme | split | aggregator | attackers | rounds | clean | honest only | worst case | "
         "worst attack | worst / clean | worst / honest only | attacks |",
-        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in summary:
         split = "IID" if r["partitioner"] == "iid" else "Dirichlet(0.5)"
         share = f"{round(r['fraction'] * r['nodes'])} of {r['nodes']}"
         out.append(
-            f"| `{r['scheme']}` | {split} | {r['aggregator']} | {share} | "
+            f"| `{r['scheme']}` | {split} | {r['aggregator']} | {share} | {r['rounds']} | "
             f"{_pct(r['clean'])} | {_pct(r['honest_only'])} | {_pct(r['worst'])} | "
             f"{r['worst_attack']} | {r['ratio']:.2f} | "
             f"{'-' if r['honest_only'] is None else format(r['ratio_honest'], '.2f')} | "
