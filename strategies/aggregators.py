@@ -686,11 +686,6 @@ class MeanAccumulator:
             self.bounds = {
                 kind: self._capped(kind, self.clip_factor * d) for kind, d in self.previous.items()
             }
-        self._sizes: dict[str, int] = {}
-        for key, value in self.reference.items():
-            if _floating(value):
-                kind = entry_kind(key)
-                self._sizes[kind] = self._sizes.get(kind, 0) + int(value.size)
         self._sums = EntrySums(self.reference)
         self._cover = Coverage(self.reference)
         self._count = 0
@@ -756,32 +751,11 @@ class MeanAccumulator:
         bounds = {kind: self._bound(kind) for kind in kinds}
         if any(b is None for b in bounds.values()):
             distances, cosine = self._measure(checked)
-            spread = self._spread(checked)
-            distances = {kind: d * spread.get(kind, 1.0) for kind, d in distances.items()}
             self._buffer.append((position, checked, w, distances, cosine))
             return
         self._stream(
             position, checked, w, {k: float(b) for k, b in bounds.items() if b is not None}
         )
-
-    def _spread(self, checked: _Checked) -> dict[str, float]:
-        """Per kind, ``sqrt(model size / covered size)``: a part's distance to a whole's.
-
-        A sub-model slice covering a share ``p`` of a kind's elements moves the model
-        by about ``sqrt(p)`` of what the whole model's update would; distances are
-        compared in whole-model units (measured distance times this), so a narrow
-        slice is not measured against wide ones' distances or the reverse. Full
-        updates have 1.
-        """
-        covered: dict[str, int] = {}
-        for key, (value, _) in checked.items():
-            if _floating(value):
-                kind = entry_kind(key)
-                covered[kind] = covered.get(kind, 0) + int(value.size)
-        return {
-            kind: math.sqrt(self._sizes[kind] / n) if n and self._sizes.get(kind) else 1.0
-            for kind, n in covered.items()
-        }
 
     def _measure(self, checked: _Checked) -> tuple[dict[str, float], float | None]:
         """Return the distances per kind and the cosine with the direction (if any)."""
@@ -847,7 +821,6 @@ class MeanAccumulator:
         """Measure and fold one update in one pass over it (see the class docstring)."""
         squares: dict[str, float] = {}
         dot = norm2 = 0.0
-        spread = self._spread(checked)
         folded: dict[str, int] = {}  # per key: elements folded at weight w (a prefix)
         over: set[str] = set()  # kinds whose running distance passed their bound
         for key, (value, where) in checked.items():
@@ -856,7 +829,7 @@ class MeanAccumulator:
                 self._sums.add(key, value, w, where)
                 continue
             kind = entry_kind(key)
-            bound = bounds[kind] / spread.get(kind, 1.0)  # in this update's own units
+            bound = bounds[kind]
             base = ref if where is None else ref[where]
             total = self._sums.target(key, where)
             along = self._along(key, where)
@@ -890,8 +863,7 @@ class MeanAccumulator:
                     flat_total = _flat(self._sums.target(key, where))
                     add_scaled(flat_total[: folded[key]], _flat(value)[: folded[key]], -w)
             return
-        whole = {kind: d * spread.get(kind, 1.0) for kind, d in distances.items()}
-        factors = self._accept(position, whole, bounds)
+        factors = self._accept(position, distances, bounds)
         for key, (value, where) in checked.items():
             if not _floating(value):
                 self._cover.add(key, w, where)

@@ -286,18 +286,3 @@ def test_the_cosine_spans_every_entry_once() -> None:
         acc.result()
         (dropped,) = acc.report().clips
         assert dropped.distance == pytest.approx(-1.0 / np.sqrt(2.0))
-
-
-def test_slices_are_measured_in_whole_model_units() -> None:
-    # Prepare: a full update moving every element by 1 (distance 2) and a slice
-    # covering a quarter of the elements moving its one by 1 (distance 1, which is
-    # 1 x sqrt(4 / 1) = 2 in whole-model units): equally far, neither is clipped
-    ref = {"w": np.zeros(4, np.float32)}
-    acc = MeanAccumulator(ref, clip_factor=1.0)
-    acc.add({"w": np.ones(4, np.float32)}, 1.0)
-    acc.add({"w": np.ones(1, np.float32)}, 1.0, index={"w": (slice(0, 1),)})
-    out = acc.result()["w"]
-    # Assert: no clip; element 0 averages both, the rest only the full update
-    assert acc.report().clips == ()
-    np.testing.assert_allclose(out, [1.0, 1.0, 1.0, 1.0])
-    assert acc.report().medians == {"parameters": pytest.approx(2.0)}
