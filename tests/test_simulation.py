@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from server_app.app import build_server
+from strategies.base import RunStoppedError
 from tessera.checkpoint import load_state
 from tests.conftest import make_grid, simulate
 
@@ -117,8 +119,10 @@ def test_hostile_nodes_are_bounded_in_real_simulation(
             | {"min-nodes": 8}
         )
         server = build_server(config, bundle=digits_bundle).runner
-        server.start(make_grid(config, 8), num_rounds=5, timeout=30.0)
-        accuracy: float = server.rounds[-1]["global_accuracy"]
+        # the undefended run may stop early (the attack broke every client's training)
+        with contextlib.suppress(RunStoppedError):
+            server.start(make_grid(config, 8), num_rounds=5, timeout=30.0)
+        accuracy: float = server.rounds[-1]["global_accuracy"] or 0.0
         return accuracy
 
     # Execute: the attacked run in real simulation; the clean run, and the attacked
