@@ -48,10 +48,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import strategies.robust  # noqa: E402,F401  (registers the robust aggregators)
+from strategies import fused  # noqa: E402
 from strategies.aggregators import (  # noqa: E402
     AccumulatorReport,
+    AggregatorSettings,
     Index,
     MeanAggregator,
+    get_aggregator,
+    list_aggregators,
     update_distances,
 )
 from strategies.submodel.aggregate import ScalableAccumulator  # noqa: E402
@@ -148,6 +153,7 @@ class Throughput:
     torch_gbs: float
     ours_gbs: float
     bounded_gbs: float
+    bounded_torch_gbs: float
     buffered_gbs: float
     max_difference: float
     clipped: int
@@ -210,7 +216,12 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
     n_clipped = len(clipped.report().clips)
     # interleaved (torch, ours, bounded, buffered, torch, ...) so that each repeat
     # compares them under the same machine state; the best of each is kept
-    torch_s = ours_s = bounded_s = buffered_s = float("inf")
+    torch_s = ours_s = bounded_s = bounded_torch_s = buffered_s = float("inf")
+
+    def bounded_torch() -> None:
+        with fused.disabled():
+            bounded_mean(global_model, near, weights, scale, direction)
+
     for _ in range(repeats):
         torch_s = min(torch_s, best_seconds(lambda: torch_reference(updates, weights), 1))
         ours_s = min(ours_s, best_seconds(lambda: streaming_mean(reference, updates, weights), 1))
@@ -218,6 +229,7 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
             bounded_s,
             best_seconds(lambda: bounded_mean(global_model, near, weights, scale, direction), 1),
         )
+        bounded_torch_s = min(bounded_torch_s, best_seconds(bounded_torch, 1))
         buffered_s = min(
             buffered_s, best_seconds(lambda: buffered_weighted_average(updates, weights), 1)
         )
@@ -227,6 +239,7 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
         torch_gbs=folded / torch_s,
         ours_gbs=folded / ours_s,
         bounded_gbs=folded / bounded_s,
+        bounded_torch_gbs=folded / bounded_torch_s,
         buffered_gbs=folded / buffered_s,
         max_difference=diff,
         clipped=n_clipped,
@@ -323,6 +336,78 @@ def measure_fedfa_memory(params: int, clients: int) -> Memory:
 
 
 # ------------------------------------------------------------------------------ report
+@dataclass(frozen=True)
+class RoundCost:
+    """Seconds one round of an aggregator takes, and its ratio to plain ``mean``'s."""
+
+    aggregator: str
+    seconds: float
+    ratio: float
+
+
+def measure_round_costs(params: int, clients: int, repeats: int) -> list[RoundCost]:
+    """Time a round (accumulator, every update added, result) of every registered aggregator.
+
+    Run-config defaults (``trimmed-mean`` 0.1, ``krum-byzantine`` 1), the same
+    updates for each; ``mean`` is the plain (unbounded) one, ``mean (default)`` the
+    default bounded one with its direction and the bound known from a last round.
+    """
+    shapes = model_shapes(params)
+    rng = np.random.default_rng(1)
+    global_model = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    direction = {k: rng.standard_normal(s).astype(np.float32) / 100 for k, s in shapes.items()}
+    updates = [
+        {k: global_model[k] + direction[k] + v / np.float32(100) for k, v in u.items()}
+        for u in (make_update(shapes, 100 + seed) for seed in range(clients))
+    ]
+    weights = [float(10 + (7 * i) % 50) for i in range(clients)]
+    scale = float(np.median([update_distances(u, global_model, {})["parameters"] for u in updates]))
+
+    def round_of(name: str, settings: AggregatorSettings, bounded: bool) -> Callable[[], object]:
+        aggregator = get_aggregator(name, settings)
+
+        def run() -> object:
+            accumulator = aggregator.accumulator(
+                global_model,
+                previous=AccumulatorReport(medians={"parameters": scale}) if bounded else None,
+                direction=direction if bounded else None,
+            )
+            for u, w in zip(updates, weights, strict=True):
+                accumulator.add(u, w)
+            return accumulator.result()
+
+        return run
+
+    contenders: dict[str, Callable[[], object]] = {
+        "mean": round_of("mean", AggregatorSettings(), False),
+        "mean (default: bounded, direction check)": round_of(
+            "mean", AggregatorSettings(clip_factor=1.0, ceiling=4.0), True
+        ),
+    }
+    for name in list_aggregators():
+        if name != "mean":
+            contenders[name] = round_of(name, AggregatorSettings(), False)
+    seconds = dict.fromkeys(contenders, float("inf"))
+    for _ in range(repeats):  # interleaved, best of each kept
+        for name, run in contenders.items():
+            seconds[name] = min(seconds[name], best_seconds(run, 1))
+    base = seconds["mean"]
+    return [RoundCost(name, s, s / base) for name, s in seconds.items()]
+
+
+def cost_table(costs: Sequence[RoundCost], params: int, clients: int) -> str:
+    """Return the Markdown table of the aggregators' round costs."""
+    lines = [
+        f"Round cost of each aggregator: {clients} float32 updates of {params:,} parameters "
+        "(seconds per round, best of the repeats; ratio to the plain `mean`, lower is cheaper)",
+        "",
+        "| aggregator | seconds | / `mean` |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {c.aggregator} | {c.seconds:.3f} | {c.ratio:.1f} |" for c in costs]
+    return "\n".join(lines) + "\n"
+
+
 def table(throughput: Throughput, memories: Sequence[Memory]) -> str:
     """Return the Markdown tables of a run."""
     t = throughput
@@ -337,6 +422,8 @@ def table(throughput: Throughput, memories: Sequence[Memory]) -> str:
         f"| ours: default bounded `mean` with direction check (bound known; {t.clipped} of "
         f"{t.clients} clipped) | "
         f"{t.bounded_gbs:.2f} | {t.bounded_ratio:.2f} |",
+        f"| the same without numba (torch: subtract, two dot products, fold) | "
+        f"{t.bounded_torch_gbs:.2f} | {t.bounded_torch_gbs / t.torch_gbs:.2f} |",
         f"| old `weighted_average`, buffered float64 | {t.buffered_gbs:.2f} | "
         f"{t.buffered_gbs / t.torch_gbs:.2f} |",
         "",
@@ -363,9 +450,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fedfa-clients", default="10,100")
     parser.add_argument("--fedfa-params", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--robust-clients",
+        type=int,
+        default=20,
+        help="updates per round in the aggregators' round-cost table (Krum is quadratic)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-aggregation")
     args = parser.parse_args(argv)
-    for name in ("params", "clients", "memory_updates", "buffered_updates", "repeats"):
+    for name in (
+        "params",
+        "clients",
+        "memory_updates",
+        "buffered_updates",
+        "repeats",
+        "robust_clients",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} is {getattr(args, name)}; use 1 or more")
     if args.params < 256 or args.fedfa_params < 256:
@@ -383,7 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the three measurements, print the tables and write them."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    log.info("torch threads: %d", torch.get_num_threads())
+    log.info(
+        "torch threads: %d; numba one-pass loop: %s",
+        torch.get_num_threads(),
+        "yes" if fused.available() else "no (torch path)",
+    )
     throughput = measure_throughput(args.params, args.clients, args.repeats)
     # warm-up: first calls allocate once (imports, numpy's percentile), not per update
     measure_mean_memory(1000, 2)
@@ -393,7 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         measure_buffered_memory(args.params, args.buffered_updates),
         *(measure_fedfa_memory(args.fedfa_params, c) for c in args.fedfa_clients),
     ]
-    text = table(throughput, memories)
+    costs = measure_round_costs(args.params, args.robust_clients, max(1, args.repeats // 2))
+    text = table(throughput, memories) + "\n" + cost_table(costs, args.params, args.robust_clients)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text)

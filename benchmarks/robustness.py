@@ -113,7 +113,7 @@ FEDAVG_AGGREGATORS = (
 FELO_MERGES = ("mean", "mean-unbounded", "median")
 SCHEME_AGGREGATORS = {
     "fedavg": FEDAVG_AGGREGATORS,
-    "heterofl": ("mean", "mean-unbounded"),
+    "heterofl": ("mean", "mean-unbounded", "mean-bound-only"),
     "felo": FELO_MERGES,
 }
 ABLATIONS: dict[str, dict[str, Any]] = {

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from strategies import fused
 from strategies.aggregation import AggregationError
 from tessera.config import ConfigError, RunConfig
 
@@ -264,7 +265,9 @@ def measure_and_fold(
 ) -> tuple[int, float, float]:
     """Add ``sum((value - base) ** 2)`` to ``square``; fold blocks of ``value`` while in bounds.
 
-    Blocks of :data:`CHUNK` elements are measured in turn (the difference into a
+    With numba installed, contiguous float32/float64 entries take one compiled pass
+    (:mod:`strategies.fused`: measured in float64, folded in the entry's precision).
+    Otherwise blocks of :data:`CHUNK` elements are measured in turn (the difference into a
     reused buffer, then its dot product, in the entry's precision; a block whose
     float32 square overflows is measured again in float64). While the running
     ``square`` stays at most ``limit`` (a squared distance), each measured block is
@@ -282,6 +285,19 @@ def measure_and_fold(
         the dot product with ``direction`` (0 without one).
     """
     n = value.size
+    if value.flags.c_contiguous and base.flags.c_contiguous and n > 0:
+        flat_total = None if total is None or not total.flags.c_contiguous else _flat(total)
+        flat_direction = (
+            None if direction is None or not direction.flags.c_contiguous else _flat(direction)
+        )
+        if (total is None) == (flat_total is None) and (direction is None) == (
+            flat_direction is None
+        ):
+            fused_result = fused.measure_fold(
+                _flat(value), _flat(base), flat_total, weight, square, limit, flat_direction
+            )
+            if fused_result is not None:
+                return fused_result
     v, b = _torch_view(value), _torch_view(base)
     t = None if total is None else _torch_view(total)
     d = None if direction is None else _torch_view(direction)

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strategies.aggregation import AggregationError
-from strategies.aggregators import AccumulatorReport
+from strategies.aggregators import DIRECTION, AccumulatorReport
 from strategies.base import RoundContext
 from strategies.groups import NonFiniteStateError, non_finite_entries, without_arrays
 from strategies.registry import Scheme, register_scheme
@@ -171,6 +171,7 @@ class FedFAStrategy(SubModelStrategy):
         super().__init__(**kwargs)
         self._round: ScalableAccumulator | None = None
         self._senders: list[int] = []
+        self._dropped: list[tuple[int, float]] = []
         self.references: dict[str, float] = {}
         """Per layer, the last reference norm a round computed (for a layer one client moves)."""
         self.statistics_report: AccumulatorReport | None = None
@@ -190,8 +191,11 @@ class FedFAStrategy(SubModelStrategy):
                 previous=self.references,
                 statistics=self.aggregator,
                 previous_statistics=self.statistics_report,
+                direction=self.pool_direction(self.global_name, self.global_state),
+                threshold=self.env.run.trust_threshold,
             )
             self._senders = []
+            self._dropped = []
         return self._round
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
@@ -209,10 +213,19 @@ class FedFAStrategy(SubModelStrategy):
             self.models.fold(self.global_name, grafted, weight, index=index, node=reply.node_id)
             return without_arrays(reply)
         accumulator = self._accumulator()
-        before = accumulator.count
+        before, dropped = accumulator.count, len(accumulator.dropped)
         accumulator.add(grafted, weight, index=index)
         if accumulator.count > before:
             self._senders.append(reply.node_id)
+        elif len(accumulator.dropped) > dropped:
+            self._dropped.append((reply.node_id, accumulator.dropped[-1][1]))
+            log.warning(
+                "node %s: update dropped, cosine %.3g with the server's own update "
+                "(fedfa, trust-threshold %g)",
+                reply.node_id,
+                accumulator.dropped[-1][1],
+                self.env.run.trust_threshold,
+            )
         return without_arrays(reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
@@ -228,6 +241,7 @@ class FedFAStrategy(SubModelStrategy):
             return super().aggregate(ctx, replies)
         accumulator, self._round = self._round, None
         senders, self._senders = self._senders, []
+        dropped, self._dropped = self._dropped, []
         if accumulator is None or accumulator.count == 0:
             raise AggregationError("nothing to aggregate: no reply was folded")
         new = accumulator.result()
@@ -260,6 +274,16 @@ class FedFAStrategy(SubModelStrategy):
                 clip["bound"],
                 self.env.run.clip_factor,
             )
+        clipped += [  # dropped by the direction check (logged as they arrived)
+            {
+                "node": node,
+                "arch": self.global_name,
+                "kind": DIRECTION,
+                "distance": cosine,
+                "bound": self.env.run.trust_threshold,
+            }
+            for node, cosine in dropped
+        ]
         return {
             "slices": slice_counts(replies),
             "capped_layers": accumulator.capped,
@@ -273,6 +297,7 @@ class FedFAStrategy(SubModelStrategy):
         """Drop this round's aggregate; the global model stays as it was."""
         self._round = None
         self._senders = []
+        self._dropped = []
         super().discard(ctx)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The default bounded ``mean``: streaming fold, ratchet-proof scale, ceiling, weight caps.
 
-Every expected value is computed by hand in the test.
+Every expected value is computed by hand in the test. Every test runs twice: on the
+compiled one-pass loop (:mod:`strategies.fused`, numba) and on the torch path.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import strategies.aggregators as aggregators
+import strategies.fused as fused
 from strategies.aggregators import (
     MeanAccumulator,
     measure_and_fold,
@@ -19,6 +21,22 @@ from strategies.aggregators import (
     squared_distance,
 )
 from strategies.validation import weight_caps
+
+
+@pytest.fixture(autouse=True, params=["fused", "torch"])
+def measure_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on the compiled loop, then on the torch path."""
+    if request.param == "fused" and not fused.available():
+        pytest.skip("numba is not installed")
+    if request.param == "torch":
+        monkeypatch.setattr(fused, "_compile", lambda: None)
+    return str(request.param)
+
+
+def blocks(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """Measure (and fold) in blocks of ``size`` elements on either path."""
+    monkeypatch.setattr(aggregators, "CHUNK", size)
+    monkeypatch.setattr(fused, "BLOCK", size)
 
 
 def vec(*values: float) -> dict[str, np.ndarray]:
@@ -58,7 +76,7 @@ def test_squared_distance_by_hand_and_past_float32() -> None:
 
 def test_measure_and_fold_folds_blocks_while_in_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: blocks of 2; differences (1, 0 | 2, 0 | 0, 0) -> running squares 1, 5, 5
-    monkeypatch.setattr(aggregators, "CHUNK", 2)
+    blocks(monkeypatch, 2)
     value = np.array([1.0, 0.0, 2.0, 0.0, 0.0, 0.0], np.float32)
     base = np.zeros(6, np.float32)
     total = np.zeros(6, np.float32)
@@ -77,7 +95,7 @@ def test_streaming_equals_the_two_pass_definition(
 ) -> None:
     # Prepare: two entries of parameters and one of statistics; scale 1 per kind,
     # clip-factor 2 -> bound 2 for each kind
-    monkeypatch.setattr(aggregators, "CHUNK", chunk)
+    blocks(monkeypatch, chunk)
     ref = {
         "a": np.array([1.0, 1.0], np.float32),
         "b": np.array([0.0], np.float32),
@@ -254,7 +272,7 @@ def test_an_update_pointing_away_from_the_server_is_dropped_whole(
 def test_dropping_takes_back_blocks_already_folded(monkeypatch: pytest.MonkeyPatch) -> None:
     # blocks of one element: the hostile update's first block is folded before its
     # cosine is known, and taken back out when it is
-    monkeypatch.setattr(aggregators, "CHUNK", 1)
+    blocks(monkeypatch, 1)
     ref = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
     direction = {"a": np.array([1.0, 1.0], np.float32), "b": np.array([1.0, 1.0], np.float32)}
     acc = MeanAccumulator(ref, clip_factor=1.0, previous={"parameters": 100.0}, direction=direction)
@@ -286,3 +304,31 @@ def test_the_cosine_spans_every_entry_once() -> None:
         acc.result()
         (dropped,) = acc.report().clips
         assert dropped.distance == pytest.approx(-1.0 / np.sqrt(2.0))
+
+
+# ------------------------------------------------------------ the compiled pass
+def test_the_compiled_pass_measures_in_float64_and_folds_a_prefix(
+    measure_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if measure_path != "fused":
+        pytest.skip("the compiled pass itself")
+    # Prepare: blocks of 2; differences (1e30, 0 | 3, 4): float32 squares would
+    # overflow, float64 holds 1e60 + 25
+    monkeypatch.setattr(fused, "BLOCK", 2)
+    value = np.array([1e30, 1.0, 3.0, 5.0], np.float32)
+    base = np.array([0.0, 1.0, 0.0, 1.0], np.float32)
+    direction = np.array([1.0, 7.0, 2.0, 0.5], np.float32)
+    total = np.zeros(4, np.float32)
+    # Execute: a limit the first block passes -> nothing folded; a huge one -> all
+    over = fused.measure_fold(value, base, total, 2.0, 0.0, 1.0, direction)
+    under = fused.measure_fold(value, base, total, 2.0, 0.0, 1e70, direction)
+    # Assert: square 1e60 + 9 + 16, dot 1e30 + 6 + 2; folded prefix 0, then 4
+    want_square = float(np.float32(1e30)) ** 2 + 25.0
+    want_dot = float(np.float32(1e30)) + 8.0
+    assert over is not None and under is not None
+    assert over[0] == 0 and under[0] == 4
+    assert over[1] == pytest.approx(want_square) and over[2] == pytest.approx(want_dot)
+    np.testing.assert_array_equal(total, 2.0 * value)
+    # other dtypes take the generic path
+    half = np.ones(4, np.float16)
+    assert fused.measure_fold(half, half, None, 1.0, 0.0, None, None) is None

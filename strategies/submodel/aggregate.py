@@ -120,6 +120,8 @@ from strategies.aggregators import (
     add_scaled,
     check_update,
     entry_kind,
+    measure_and_fold,
+    squared_distance,
 )
 from strategies.submodel.extract import coverage_index
 
@@ -567,6 +569,14 @@ class ScalableAccumulator:
         when omitted.
     previous_statistics : AccumulatorReport, optional
         The last round's :meth:`report`, for a ``statistics`` bound carried over.
+    direction : Mapping[str, np.ndarray], optional
+        The server's own update of the global model on its pool
+        (:meth:`~strategies.base.HeteroStrategy.pool_direction`). A client whose
+        scaled layers' update (its slice of them, grafted) has cosine at most
+        ``threshold`` with the same slice of it is dropped whole, before anything
+        is folded (:attr:`dropped`): scaling fixes a layer's size, not its direction.
+    threshold : float
+        Run-config ``trust-threshold`` (default 0).
     """
 
     def __init__(
@@ -581,6 +591,8 @@ class ScalableAccumulator:
         previous: Mapping[str, float] | None = None,
         statistics: Aggregator | None = None,
         previous_statistics: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
+        threshold: float = 0.0,
     ) -> None:
         if target not in TARGETS:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -625,6 +637,11 @@ class ScalableAccumulator:
         """Layers fewer than two clients moved, with no earlier reference: factor 1."""
         self.references: dict[str, float] = {}
         """Per layer, the reference this round computed (:func:`reference_norm`)."""
+        self.direction = None if direction is None else dict(direction)
+        self.threshold = float(threshold)
+        self.dropped: list[tuple[int, float]] = []
+        """``(call number, cosine)`` of each client the direction check dropped."""
+        self._calls = 0
 
     @property
     def count(self) -> int:
@@ -655,6 +672,11 @@ class ScalableAccumulator:
             raise AggregationError(f"weight {weight!r} must be finite and positive")
         where = coverage_index(self.reference, state) if index is None else index
         checked = check_update(self.reference, state, where)
+        call, self._calls = self._calls, self._calls + 1
+        cosine = self._cosine(checked)
+        if cosine is not None and cosine <= self.threshold:
+            self.dropped.append((call, cosine))
+            return
         norms: dict[str, float] = {}
         bounded = 0
         for key, (value, at) in checked.items():
@@ -693,6 +715,24 @@ class ScalableAccumulator:
                 self._inverse.add(key, x, w / n, at)
                 self._smallest[key] = min(self._smallest.get(key, math.inf), n)
         self._count += 1
+
+    def _cosine(self, checked: Mapping[str, tuple[np.ndarray, Index | None]]) -> float | None:
+        """Cosine of the client's scaled layers' update with the direction (``None``: none)."""
+        if self.direction is None:
+            return None
+        dot = square = norm2 = 0.0
+        for key, (value, at) in checked.items():
+            if key not in self._scaled or key not in self.direction:
+                continue
+            ref, along = self.reference[key], self.direction[key]
+            base = ref if at is None else ref[at]
+            part = along if at is None else along[at]
+            _, square, toward = measure_and_fold(value, base, None, 0.0, square, None, None, part)
+            dot += toward
+            norm2 += squared_distance(part, np.zeros_like(part))
+        if square <= 0 or norm2 <= 0 or not math.isfinite(square * norm2):
+            return None
+        return max(-1.0, min(1.0, dot / math.sqrt(square * norm2)))
 
     def _values(self, key: str, value: np.ndarray, at: Index | None) -> np.ndarray:
         if self.target == "weights":

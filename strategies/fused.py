@@ -1,0 +1,183 @@
+"""One pass over an update: its distance, its dot with a direction, and its fold.
+
+The bounded ``mean`` (:class:`strategies.aggregators.MeanAccumulator`) needs three
+things of every update ``v`` against the global entry ``b``: ``sum((v - b) ** 2)``,
+``sum((v - b) * d)`` with the server's own update ``d``, and ``total += w * v``
+while the running distance is within the bound. With torch primitives that is four
+passes (a subtraction into a buffer, two dot products, an in-place add), about
+0.2x the speed of torch's plain in-place accumulation. This module does the three
+in one compiled loop over blocks of :data:`BLOCK` elements (measured in float64
+while the block is in cache, then folded in the entry's precision), compiled by
+numba when it is installed (a dependency of the package; the Docker app images
+leave it out and take the torch path). :func:`available` says whether it is;
+environment variable ``TESSERA_FUSED=0`` turns it off (the benchmark's side-by-side
+figures and the tests of both paths).
+
+``benchmarks/aggregation.py`` measures it against torch in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BLOCK = 8192
+"""Elements per block: a block of the update, the global entry, the direction and
+the sums (4 x 32 KiB in float32) stay in a core's L2 cache between the measure and
+the fold."""
+
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+"""Entry dtypes the compiled loop takes (every other one takes the generic path)."""
+
+_Kernel = Callable[..., tuple[int, float, float]]
+
+_OFF = False
+"""Set inside :func:`disabled`."""
+
+
+@cache
+def _compile() -> _Kernel | None:
+    """Compile the loop with numba, or return ``None`` if numba cannot be imported."""
+    if os.environ.get("TESSERA_FUSED", "1").strip() in {"0", "false", "no", "off"}:
+        return None
+    try:
+        from numba import njit
+    except ImportError:  # pragma: no cover - the Docker images and Jetson leave numba out
+        log.info("numba is not installed: the bounded mean measures with torch (slower)")
+        return None
+    # reassociation lets LLVM vectorise the float64 sums; no "nnan"/"ninf": a
+    # non-finite update must give a non-finite distance, and no "contract": the fold
+    # rounds like torch's add_
+    flags = {"reassoc", "nsz", "arcp"}
+
+    @njit(fastmath=flags, inline="always")
+    def _measure(v: Any, b: Any) -> float:
+        square = 0.0
+        for i in range(v.size):
+            x = np.float64(v[i]) - np.float64(b[i])
+            square += x * x
+        return square
+
+    @njit(fastmath=flags, inline="always")
+    def _measure_along(v: Any, b: Any, d: Any) -> tuple[float, float]:
+        # a loop of its own: a branch inside it keeps LLVM from vectorising
+        square = 0.0
+        dot = 0.0
+        for i in range(v.size):
+            x = np.float64(v[i]) - np.float64(b[i])
+            square += x * x
+            dot += x * np.float64(d[i])
+        return square, dot
+
+    @njit(fastmath=flags, inline="always")
+    def _fold(v: Any, t: Any, w: Any) -> None:
+        for i in range(v.size):
+            t[i] += w * v[i]
+
+    @njit(fastmath=flags, nogil=True, cache=True)
+    def measure_fold(
+        v: Any,
+        b: Any,
+        d: Any,
+        t: Any,
+        w: Any,
+        limit: float,
+        square: float,
+        along: bool,
+        fold: bool,
+        block: int,
+    ) -> tuple[int, float, float]:
+        n = v.size
+        done = 0
+        dot = 0.0
+        for start in range(0, n, block):
+            stop = min(n, start + block)
+            if along:
+                part, toward = _measure_along(v[start:stop], b[start:stop], d[start:stop])
+                dot += toward
+            else:
+                part = _measure(v[start:stop], b[start:stop])
+            square += part
+            if fold and done == start and square <= limit:
+                _fold(v[start:stop], t[start:stop], w)
+                done = stop
+        return done, square, dot
+
+    return measure_fold
+
+
+def available() -> bool:
+    """Return whether the compiled loop can be used (numba imported, not turned off)."""
+    return not _OFF and _compile() is not None
+
+
+def measure_fold(
+    value: np.ndarray,
+    base: np.ndarray,
+    total: np.ndarray | None,
+    weight: float,
+    square: float,
+    limit: float | None,
+    direction: np.ndarray | None,
+) -> tuple[int, float, float] | None:
+    """Run the compiled pass; return ``None`` when it does not apply (use the torch path).
+
+    Same contract as :func:`strategies.aggregators.measure_and_fold`: blocks of
+    ``value`` are measured against ``base`` (and dotted with ``direction``) in
+    float64; while the running ``square`` stays at most ``limit``, each block is
+    added to ``total`` at ``weight`` in ``total``'s precision. The arrays must be
+    flat views of one dtype (:data:`DTYPES`).
+
+    Returns
+    -------
+    tuple[int, float, float] | None
+        Elements folded (a prefix), the new ``square``, the dot with ``direction``
+        (0 without one); ``None`` if numba is unavailable or the arrays do not fit.
+    """
+    kernel = None if _OFF else _compile()
+    dtype = value.dtype
+    if (
+        kernel is None
+        or dtype not in DTYPES
+        or base.dtype != dtype
+        or value.ndim != 1
+        or base.shape != value.shape
+        or (total is not None and (total.dtype != dtype or total.shape != value.shape))
+        or (direction is not None and (direction.dtype != dtype or direction.shape != value.shape))
+    ):
+        return None
+    fold = limit is not None and total is not None
+    d = direction if direction is not None else value
+    t = total if total is not None and fold else np.empty(0, dtype)  # never written
+    done, square, dot = kernel(
+        value,
+        base,
+        d,
+        t,
+        dtype.type(weight),
+        float(limit) if limit is not None else -1.0,
+        float(square),
+        direction is not None,
+        fold,
+        BLOCK,
+    )
+    return int(done), float(square), float(dot)
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Take the torch path inside the block (the benchmark's side-by-side figure)."""
+    global _OFF
+    before, _OFF = _OFF, True
+    try:
+        yield
+    finally:
+        _OFF = before
