@@ -96,8 +96,15 @@ class Accumulator(Protocol):
         weight: float,
         *,
         index: Mapping[str, Index] | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Fold one update in (see the module docstring for ``index``)."""
+        """Fold one update in (see the module docstring for ``index``).
+
+        ``direction``, when given, is the server's own update of the model this
+        update was trained as (a sub-model slice's own, shaped like the update's
+        entries): aggregators that check directions compare with it instead of
+        the slice of the accumulator's direction; others ignore it.
+        """
         ...
 
     def result(self) -> dict[str, np.ndarray]:
@@ -266,7 +273,9 @@ def measure_and_fold(
     """Add ``sum((value - base) ** 2)`` to ``square``; fold blocks of ``value`` while in bounds.
 
     With numba installed, contiguous float32/float64 entries take one compiled pass
-    (:mod:`strategies.fused`: measured in float64, folded in the entry's precision).
+    (:mod:`strategies.fused`: blocks measured in the entry's precision, summed in
+    float64, a block past float32's range again in float64; folded in the entry's
+    precision).
     Otherwise blocks of :data:`CHUNK` elements are measured in turn (the difference into a
     reused buffer, then its dot product, in the entry's precision; a block whose
     float32 square overflows is measured again in float64). While the running
@@ -383,6 +392,38 @@ def next_scale(accepted: Sequence[float], previous: float | None, growth: float)
     return min(max(median, previous / growth), previous * growth)
 
 
+POOLED = "all"
+"""Suffix of the scale key that pools every slice in whole-model units (``parameters@all``)."""
+
+
+def scale_key(kind: str, covered: int, size: int) -> str:
+    """Return the key of the scale an update covering ``covered`` of ``size`` elements uses.
+
+    A whole-model update uses the kind itself (``parameters``); a sub-model slice
+    covering fewer elements uses ``parameters@<covered>``: slices of one width are
+    measured against each other, not against wider or narrower ones (a narrow
+    slice moves the model less than the whole model's update, so one shared scale
+    would clip the wide slices of a mixed cohort).
+    """
+    return kind if covered >= size else f"{kind}@{covered}"
+
+
+def parse_scale_key(key: str) -> tuple[str, int | None]:
+    """Split a scale key into its kind and covered size (``None``: whole, or pooled).
+
+    Raises
+    ------
+    ValueError
+        If the key is not ``kind``, ``kind@all`` or ``kind@<positive integer>``.
+    """
+    kind, sep, rest = key.partition("@")
+    if not sep or rest == POOLED:
+        return kind, None
+    if not rest.isdigit() or int(rest) <= 0:
+        raise ValueError(f"scale key {key!r}: expected kind, kind@{POOLED} or kind@<size>")
+    return kind, int(rest)
+
+
 def update_distances(
     update: Mapping[str, np.ndarray],
     reference: Mapping[str, np.ndarray],
@@ -448,6 +489,8 @@ def add_scaled(total: np.ndarray, value: np.ndarray, weight: float) -> None:
 _TORCH_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 _Checked = dict[str, tuple[np.ndarray, Index | None]]
+_Buffered = tuple[int, _Checked, float, dict[str, float], float | None, dict[str, int]]
+"""A buffered update: position, entries, weight, distances, cosine, covered sizes."""
 
 
 def check_update(
@@ -695,22 +738,28 @@ class MeanAccumulator:
             for kind, norm in reference_norms(self.reference).items():
                 if norm > 0:
                     self.ceilings[kind] = float(ceiling) * norm * CEILING_SCALE.get(kind, 1.0)
-        self.bounds: dict[str, float] | None = None
-        if max_distance is not None:
-            self.bounds = {}
-        elif self.clip_factor > 0 and self.previous:
-            self.bounds = {
-                kind: self._capped(kind, self.clip_factor * d) for kind, d in self.previous.items()
-            }
+        self._sizes: dict[str, int] = {}
+        """Per kind, the reference's floating elements (a whole-model update covers all)."""
+        for key, value in self.reference.items():
+            if _floating(value):
+                kind = entry_kind(key)
+                self._sizes[kind] = self._sizes.get(kind, 0) + int(value.size)
         self._sums = EntrySums(self.reference)
         self._cover = Coverage(self.reference)
         self._count = 0
         self._accepted: dict[str, list[float]] = {}
-        self._buffer: list[tuple[int, _Checked, float, dict[str, float], float | None]] = []
+        """Per scale key (:func:`scale_key`), the distances this round accepted."""
+        self._whole: dict[str, list[float]] = {}
+        """Per kind, every accepted distance in whole-model units (:meth:`_bound`)."""
+        self._sliced: set[str] = set()
+        """Kinds of which a slice (an update covering part of the model) was accepted."""
+        self._buffer: list[_Buffered] = []
         self._clips: list[Clip] = []
         self._result: dict[str, np.ndarray] | None = None
         self._unit: float | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._own: dict[str, np.ndarray] | None = None
+        """The direction of the update being added, when it came with its own."""
 
     @property
     def count(self) -> int:
@@ -721,24 +770,21 @@ class MeanAccumulator:
         ceiling = self.ceilings.get(kind)
         return bound if ceiling is None else min(bound, ceiling)
 
-    def _bound(self, kind: str) -> float | None:
-        """Return the streaming bound of ``kind`` (``None``: unknown, so buffer the update)."""
-        if self.max_distance is not None:
-            return self.max_distance
-        if self.bounds is None:
-            return None
-        if kind in self.bounds:
-            return self.bounds[kind]
-        return None
-
     def add(
         self,
         update: Mapping[str, np.ndarray],
         weight: float,
         *,
         index: Mapping[str, Index] | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Add ``weight * update`` (clipped, when bounded) to the sums, ``weight`` to the coverage.
+
+        With ``direction`` (the server's own update of the slice this update was
+        trained as, entries shaped like the update's) and a direction check on,
+        the update is compared with it instead of the slice of the accumulator's
+        direction: a narrow sub-model learns differently from the same part of the
+        whole model.
 
         Raises
         ------
@@ -753,6 +799,19 @@ class MeanAccumulator:
         if not np.isfinite(w) or w <= 0:
             raise AggregationError(f"weight {weight!r} must be finite and positive")
         checked = check_update(self.reference, update, index)
+        self._own = None
+        if direction is not None and self.direction is not None:
+            own = {
+                k: np.ascontiguousarray(direction[k])
+                for k, (v, _) in checked.items()
+                if k in self.direction and k in direction
+            }
+            if all(
+                k in own and own[k].shape == v.shape and own[k].dtype == v.dtype
+                for k, (v, _) in checked.items()
+                if k in self.direction
+            ) and all(np.all(np.isfinite(x)) for x in own.values()):
+                self._own = own
         # weights relative to the first one: a lone update, or equal weights, add with
         # factor 1 and divide by a whole count, so they come back exactly in float32
         if self._unit is None:
@@ -763,14 +822,18 @@ class MeanAccumulator:
         if self.max_distance is None and self.clip_factor <= 0:
             self._fold(checked, w, {})
             return
-        kinds = {entry_kind(k) for k, (v, _) in checked.items() if _floating(v)}
-        bounds = {kind: self._bound(kind) for kind in kinds}
+        covered = self._covered(checked)
+        bounds = {kind: self._bound(kind, n) for kind, n in covered.items()}
         if any(b is None for b in bounds.values()):
             distances, cosine = self._measure(checked)
-            self._buffer.append((position, checked, w, distances, cosine))
+            self._buffer.append((position, checked, w, distances, cosine, covered))
             return
         self._stream(
-            position, checked, w, {k: float(b) for k, b in bounds.items() if b is not None}
+            position,
+            checked,
+            w,
+            {k: float(b) for k, b in bounds.items() if b is not None},
+            covered,
         )
 
     def _measure(self, checked: _Checked) -> tuple[dict[str, float], float | None]:
@@ -797,6 +860,8 @@ class MeanAccumulator:
         """Return the part of the direction that entry ``key`` (at ``where``) is compared with."""
         if self.direction is None or key not in self.direction:
             return None
+        if self._own is not None:
+            return self._own[key]
         along = self.direction[key]
         return along if where is None else along[where]
 
@@ -817,9 +882,13 @@ class MeanAccumulator:
         return True
 
     def _accept(
-        self, position: int, distances: Mapping[str, float], bounds: Mapping[str, float]
+        self,
+        position: int,
+        distances: Mapping[str, float],
+        bounds: Mapping[str, float],
+        covered: Mapping[str, int],
     ) -> dict[str, float]:
-        """Record what is accepted of each kind and return the clip factors."""
+        """Record what is accepted of each kind (per slice class) and return the clip factors."""
         factors: dict[str, float] = {}
         for kind, distance in distances.items():
             bound = bounds.get(kind, 0.0)
@@ -828,11 +897,21 @@ class MeanAccumulator:
                 self._clips.append(Clip(position, kind, distance, bound))
                 distance = bound
             if distance > 0:
-                self._accepted.setdefault(kind, []).append(distance)
+                size, n = self._sizes.get(kind, 0), covered.get(kind, 0)
+                self._accepted.setdefault(scale_key(kind, n, size), []).append(distance)
+                if n > 0:  # every update, in whole-model units: the pooled scale
+                    self._whole.setdefault(kind, []).append(distance * math.sqrt(size / n))
+                if 0 < n < size:
+                    self._sliced.add(kind)
         return factors
 
     def _stream(
-        self, position: int, checked: _Checked, w: float, bounds: Mapping[str, float]
+        self,
+        position: int,
+        checked: _Checked,
+        w: float,
+        bounds: Mapping[str, float],
+        covered: Mapping[str, int],
     ) -> None:
         """Measure and fold one update in one pass over it (see the class docstring)."""
         squares: dict[str, float] = {}
@@ -863,7 +942,7 @@ class MeanAccumulator:
                 dot += part
                 norm2 += (
                     self._direction_norms2[key]
-                    if where is None
+                    if where is None and self._own is None
                     else squared_distance(along, np.zeros_like(along))
                 )
             squares[kind] = square
@@ -879,7 +958,7 @@ class MeanAccumulator:
                     flat_total = _flat(self._sums.target(key, where))
                     add_scaled(flat_total[: folded[key]], _flat(value)[: folded[key]], -w)
             return
-        factors = self._accept(position, distances, bounds)
+        factors = self._accept(position, distances, bounds, covered)
         for key, (value, where) in checked.items():
             if not _floating(value):
                 self._cover.add(key, w, where)
@@ -891,11 +970,16 @@ class MeanAccumulator:
                 total = self._sums.target(key, where)
                 flat_total, flat_value = _flat(total), _flat(value)
                 done = folded[key]
-                if done:  # these blocks went in at w: take w (1 - f) of them back out
-                    add_scaled(flat_total[:done], flat_value[:done], -w * (1 - factor))
-                if done < value.size:
-                    add_scaled(flat_total[done:], flat_value[done:], w * factor)
-                add_scaled(total, base, w * (1 - factor))
+                # the first `done` elements went in at w: take w (1 - f) of them back out;
+                # the rest go in at w f; the reference at w (1 - f) (one pass if compiled)
+                if not fused.correct(
+                    flat_value, base, flat_total, done, -w * (1 - factor), w * factor
+                ):
+                    if done:
+                        add_scaled(flat_total[:done], flat_value[:done], -w * (1 - factor))
+                    if done < value.size:
+                        add_scaled(flat_total[done:], flat_value[done:], w * factor)
+                    add_scaled(total, base, w * (1 - factor))
             elif folded[key] < value.size:  # not over after all (another entry was)
                 flat_total, flat_value = _flat(self._sums.target(key, where)), _flat(value)
                 add_scaled(flat_total[folded[key] :], flat_value[folded[key] :], w)
@@ -913,21 +997,82 @@ class MeanAccumulator:
             self._cover.add(key, w, where)
 
     def _flush(self) -> None:
+        """Clip and fold the buffered updates against this round's own scales.
+
+        Per kind, an update of a slice class (:func:`scale_key`) that at least two
+        buffered updates share is bounded by that class's lower median distance; an
+        update alone in its class by the lower median of the *other* updates' distances
+        in whole-model units, converted to its size (so its bound never comes from
+        itself); an update alone in the round by its own distance (and the ceiling).
+        """
         if not self._buffer:
             return
         kept = [item for item in self._buffer if not self._refused(item[0], item[4])]
-        sent: dict[str, list[float]] = {}
-        for _, _, _, distances, _ in kept:
+        members: dict[str, list[float]] = {}
+        whole: dict[str, list[tuple[int, float]]] = {}
+        for i, (_, _, _, distances, _, covered) in enumerate(kept):
             for kind, distance in distances.items():
-                if distance > 0:
-                    sent.setdefault(kind, []).append(distance)
-        bounds = {
-            kind: self._capped(kind, self.clip_factor * lower_median(values))
-            for kind, values in sent.items()
-        }
-        for position, checked, w, distances, _ in kept:
-            self._fold(checked, w, self._accept(position, distances, bounds))
+                size, n = self._sizes.get(kind, 0), covered.get(kind, 0)
+                if distance > 0 and n > 0:
+                    members.setdefault(scale_key(kind, n, size), []).append(distance)
+                    whole.setdefault(kind, []).append((i, distance * math.sqrt(size / n)))
+        for i, (position, checked, w, distances, _, covered) in enumerate(kept):
+            bounds: dict[str, float] = {}
+            for kind in distances:
+                size, n = self._sizes.get(kind, 0), covered.get(kind, 0)
+                own = members.get(scale_key(kind, n, size), [])
+                others = [x for j, x in whole.get(kind, []) if j != i]
+                if len(own) >= 2:
+                    scale = lower_median(own)
+                elif others and n > 0:
+                    scale = lower_median(others) * math.sqrt(n / size)
+                elif own:
+                    scale = own[0]
+                else:
+                    continue  # nothing moved: no bound needed
+                bounds[kind] = self._capped(kind, self.clip_factor * scale)
+            self._fold(checked, w, self._accept(position, distances, bounds, covered))
         self._buffer = []
+
+    def _bound(self, kind: str, covered: int) -> float | None:
+        """Return the streaming bound of an update's ``kind`` (``None``: unknown, buffer it).
+
+        The scale of the update's own slice class (:func:`scale_key`) when the last
+        round had one; else the pooled whole-model scale (``kind@all``, or the
+        whole-model class's) converted to the slice's size, ``sqrt(covered / size)``.
+        """
+        if self.max_distance is not None:
+            return self.max_distance
+        if self.clip_factor <= 0 or not self.previous:
+            return None
+        size = self._sizes.get(kind, 0)
+        key = scale_key(kind, covered, size)
+        if key in self.previous:
+            return self._capped(kind, self.clip_factor * self.previous[key])
+        pooled = self.previous.get(f"{kind}@{POOLED}", self.previous.get(kind))
+        if pooled is None or size <= 0:
+            return None
+        return self._capped(kind, self.clip_factor * pooled * math.sqrt(covered / size))
+
+    def _previous_scale(self, kind: str, key: str) -> float | None:
+        """Return the last round's scale of ``key``, else the pooled one converted to it."""
+        if key in self.previous:
+            return self.previous[key]
+        _, covered = parse_scale_key(key)
+        pooled = self.previous.get(f"{kind}@{POOLED}", self.previous.get(kind))
+        size = self._sizes.get(kind, 0)
+        if pooled is None or covered is None or size <= 0:
+            return pooled
+        return pooled * math.sqrt(covered / size)
+
+    def _covered(self, checked: _Checked) -> dict[str, int]:
+        """Per kind, how many of the reference's floating elements the update covers."""
+        covered: dict[str, int] = {}
+        for key, (value, _) in checked.items():
+            if _floating(value):
+                kind = entry_kind(key)
+                covered[kind] = covered.get(kind, 0) + int(value.size)
+        return covered
 
     def result(self) -> dict[str, np.ndarray]:
         """Return the per-entry weighted mean; uncovered entries keep the reference.
@@ -961,11 +1106,19 @@ class MeanAccumulator:
         was folded, after clipping) and the last round's scale.
         """
         medians: dict[str, float] = {}
-        for kind, accepted in sorted(self._accepted.items()):
-            if accepted:
-                medians[kind] = next_scale(accepted, self.previous.get(kind), self.growth)
-        for kind, scale in self.previous.items():  # a kind nobody moved keeps its scale
-            medians.setdefault(kind, scale)
+        for key, accepted in sorted(self._accepted.items()):
+            kind, size = parse_scale_key(key)
+            if size is not None and len(accepted) < 2:
+                continue  # a slice alone in its class: never its own scale
+            if size is None and kind in self._sliced and len(accepted) < 2:
+                continue  # a whole model alone among slices: the same
+            medians[key] = next_scale(accepted, self._previous_scale(kind, key), self.growth)
+        for kind in sorted(self._sliced):
+            key = f"{kind}@{POOLED}"
+            anchor = self._previous_scale(kind, key)
+            medians[key] = next_scale(self._whole[kind], anchor, self.growth)
+        for key, scale in self.previous.items():  # a class nobody moved keeps its scale
+            medians.setdefault(key, scale)
         return AccumulatorReport(medians=medians, clips=tuple(self._clips))
 
 

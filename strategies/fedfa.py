@@ -214,7 +214,13 @@ class FedFAStrategy(SubModelStrategy):
             return without_arrays(reply)
         accumulator = self._accumulator()
         before, dropped = accumulator.count, len(accumulator.dropped)
-        accumulator.add(grafted, weight, index=index)
+        own = self.slice_direction(reply.arch)
+        accumulator.add(
+            grafted,
+            weight,
+            index=index,
+            direction=None if own is None else graft(own, self.layout, self.full.depths),
+        )
         if accumulator.count > before:
             self._senders.append(reply.node_id)
         elif len(accumulator.dropped) > dropped:

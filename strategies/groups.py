@@ -24,6 +24,7 @@ from strategies.aggregators import (
     AccumulatorReport,
     Aggregator,
     Index,
+    parse_scale_key,
 )
 from strategies.validation import ClientReply
 from tessera import wire
@@ -93,8 +94,13 @@ class GroupModels:
         *,
         index: Mapping[str, Index] | None = None,
         node: int | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Fold one accepted update of ``arch`` (sent by ``node``) into this round's accumulator."""
+        """Fold one accepted update of ``arch`` (sent by ``node``) into this round's accumulator.
+
+        ``direction``: the server's own update of the slice the update was trained
+        as (see :meth:`Accumulator.add`).
+        """
         if arch not in self._pending:
             current = self.get(arch)
             toward = None if self.direction is None else self.direction(arch, current)
@@ -108,7 +114,10 @@ class GroupModels:
             self._senders[arch] = []
         acc = self._pending[arch]
         before = acc.count
-        acc.add(update, weight, index=index)
+        if direction is None:
+            acc.add(update, weight, index=index)
+        else:
+            acc.add(update, weight, index=index, direction=direction)
         if acc.count > before:
             self._senders[arch].append(node)
 
@@ -244,11 +253,17 @@ class GroupModels:
                 )
                 limit = MEDIAN_LIMIT * max(1.0, norm)
                 restored: dict[str, float] = {}
+                size = sum(int(np.asarray(v).size) for v in arrays[arch].values())
                 for kind, value in kinds.items():
-                    if kind not in MEDIAN_KINDS:
+                    try:
+                        entry, covered = parse_scale_key(str(kind))
+                    except ValueError as err:
+                        raise StateFileError(f"{field}.{kind}", str(err)) from err
+                    if entry not in MEDIAN_KINDS or (covered is not None and covered > size):
                         raise StateFileError(
                             f"{field}.{kind}",
-                            f"is not an entry kind; expected one of {MEDIAN_KINDS}",
+                            f"is not a scale key; expected one of {MEDIAN_KINDS}, optionally "
+                            f"with @all or @<covered elements, at most {size}>",
                         )
                     restored[kind] = positive_float(value, where=f"{field}.{kind}", maximum=limit)
                 reports[arch] = AccumulatorReport(medians=restored)

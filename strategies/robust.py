@@ -133,8 +133,9 @@ class BufferedAccumulator:
         weight: float,
         *,
         index: Mapping[str, Index] | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Keep one full update (the weight is ignored).
+        """Keep one full update (the weight and ``direction`` are ignored).
 
         Raises
         ------

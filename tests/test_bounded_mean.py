@@ -7,6 +7,7 @@ compiled one-pass loop (:mod:`strategies.fused`, numba) and on the torch path.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -307,7 +308,7 @@ def test_the_cosine_spans_every_entry_once() -> None:
 
 
 # ------------------------------------------------------------ the compiled pass
-def test_the_compiled_pass_measures_in_float64_and_folds_a_prefix(
+def test_the_compiled_pass_measures_past_float32_and_folds_a_prefix(
     measure_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if measure_path != "fused":
@@ -332,3 +333,84 @@ def test_the_compiled_pass_measures_in_float64_and_folds_a_prefix(
     # other dtypes take the generic path
     half = np.ones(4, np.float16)
     assert fused.measure_fold(half, half, None, 1.0, 0.0, None, None) is None
+
+
+# ------------------------------------------------------- slices: scales per class
+def slice_update(values: list[float]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A width slice: the first len(values) of a 16-long entry."""
+    return {"w": np.array(values, np.float32)}, {"w": (slice(0, len(values)),)}
+
+
+def whole_update(first: float) -> dict[str, np.ndarray]:
+    """A whole-model update of distance ``first`` from zero (one non-zero element)."""
+    value = np.zeros(16, np.float32)
+    value[0] = first
+    return {"w": value}
+
+
+def test_slices_are_bounded_by_their_own_class_and_a_lone_slice_by_the_others() -> None:
+    # Prepare: reference 0 (16 elements); whole updates at distances 4 and 6; two
+    # 4-element slices at distances 1 and 1.5; clip-factor 1, no ceiling
+    acc = MeanAccumulator({"w": np.zeros(16, np.float32)}, clip_factor=1.0)
+    acc.add(whole_update(4.0), 1.0)
+    acc.add(whole_update(6.0), 1.0)
+    for d in (1.0, 1.5):
+        update, index = slice_update([d, 0.0, 0.0, 0.0])
+        acc.add(update, 1.0, index=index)
+    # Execute
+    acc.result()
+    report = acc.report()
+    # Assert: whole ones against lower median(4, 6) = 4 -> 6 clipped to 4; slices
+    # against lower median(1, 1.5) = 1 -> 1.5 clipped to 1 (one shared scale, the lower
+    # median 1.5 of all four, would clip the whole updates to 1.5)
+    assert [(c.position, c.distance, c.bound) for c in report.clips] == [
+        (1, pytest.approx(6.0), pytest.approx(4.0)),
+        (3, pytest.approx(1.5), pytest.approx(1.0)),
+    ]
+    # the next scales: whole 4 (accepted 4, 4), slices 1 (accepted 1, 1), pooled in
+    # whole-model units sqrt(16 / 4) = 2 x (1, 1) and (4, 4): lower median of (2, 2, 4, 4)
+    assert report.medians == {
+        "parameters": pytest.approx(4.0),
+        "parameters@4": pytest.approx(1.0),
+        "parameters@all": pytest.approx(2.0),
+    }
+
+
+def test_a_slice_alone_in_its_class_never_takes_its_own_scale() -> None:
+    # Prepare: whole updates at 4 and 6, one 4-element slice at distance 3
+    acc = MeanAccumulator({"w": np.zeros(16, np.float32)}, clip_factor=1.0)
+    acc.add(whole_update(4.0), 1.0)
+    acc.add(whole_update(6.0), 1.0)
+    update, index = slice_update([3.0, 0.0, 0.0, 0.0])
+    acc.add(update, 1.0, index=index)
+    # Execute
+    acc.result()
+    report = acc.report()
+    # Assert: the lone slice is bounded by the others in whole-model units (lower
+    # median of 4 and 6 = 4) converted to its size: 4 x sqrt(4 / 16) = 2; its class
+    # gets no scale of its own
+    slice_clips = [c for c in report.clips if c.position == 2]
+    assert [(c.distance, c.bound) for c in slice_clips] == [
+        (pytest.approx(3.0), pytest.approx(2.0))
+    ]
+    assert "parameters@4" not in report.medians
+
+
+def test_a_later_round_bounds_each_class_by_its_scale_or_the_pooled_one() -> None:
+    # Prepare: last round's scales: slices of 4 elements 1, pooled whole-model 2
+    previous = {"parameters": 4.0, "parameters@4": 1.0, "parameters@all": 2.0}
+    acc = MeanAccumulator({"w": np.zeros(16, np.float32)}, clip_factor=1.0, previous=previous)
+    # Execute: a 4-element slice at 3 (its class: bound 1); an 8-element slice at 3 (no
+    # class scale: pooled 2 x sqrt(8 / 16) = 1.414); a whole update at 5 (bound 4)
+    four, at4 = slice_update([3.0, 0.0, 0.0, 0.0])
+    eight, at8 = slice_update([3.0] + [0.0] * 7)
+    acc.add(four, 1.0, index=at4)
+    acc.add(eight, 1.0, index=at8)
+    acc.add(whole_update(5.0), 1.0)
+    acc.result()
+    # Assert
+    assert [(c.position, c.bound) for c in acc.report().clips] == [
+        (0, pytest.approx(1.0)),
+        (1, pytest.approx(2.0 * math.sqrt(0.5))),
+        (2, pytest.approx(4.0)),
+    ]

@@ -243,7 +243,17 @@ GOOD_GROUP = {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}
         (
             {"arrays": {"cnn": GOOD_GROUP}, "medians": {"cnn": {"weights": 1.0}}},
             "group_models.medians.cnn.weights",
-            "not an entry kind",
+            "not a scale key",
+        ),
+        (
+            {"arrays": {"cnn": GOOD_GROUP}, "medians": {"cnn": {"parameters@0": 1.0}}},
+            "group_models.medians.cnn.parameters@0",
+            "kind@<size>",
+        ),
+        (
+            {"arrays": {"cnn": GOOD_GROUP}, "medians": {"cnn": {"parameters@99999999": 1.0}}},
+            "group_models.medians.cnn.parameters@99999999",
+            "at most",
         ),
         (
             {"arrays": {"cnn": GOOD_GROUP}, "medians": {"vgg": {"parameters": 1.0}}},

@@ -658,8 +658,12 @@ class ScalableAccumulator:
         weight: float = 1.0,
         *,
         index: Mapping[str, Index] | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Fold one client's (grafted) state, weighted by ``weight`` (its examples).
+
+        ``direction``: the server's own update of the client's slice (grafted like
+        the state), compared with instead of the cut of the accumulator's direction.
 
         Raises
         ------
@@ -673,7 +677,7 @@ class ScalableAccumulator:
         where = coverage_index(self.reference, state) if index is None else index
         checked = check_update(self.reference, state, where)
         call, self._calls = self._calls, self._calls + 1
-        cosine = self._cosine(checked)
+        cosine = self._cosine(checked, direction)
         if cosine is not None and cosine <= self.threshold:
             self.dropped.append((call, cosine))
             return
@@ -716,8 +720,17 @@ class ScalableAccumulator:
                 self._smallest[key] = min(self._smallest.get(key, math.inf), n)
         self._count += 1
 
-    def _cosine(self, checked: Mapping[str, tuple[np.ndarray, Index | None]]) -> float | None:
-        """Cosine of the client's scaled layers' update with the direction (``None``: none)."""
+    def _cosine(
+        self,
+        checked: Mapping[str, tuple[np.ndarray, Index | None]],
+        own: Mapping[str, np.ndarray] | None = None,
+    ) -> float | None:
+        """Cosine of the client's scaled layers' update with the direction (``None``: none).
+
+        ``own`` (the slice's own direction, entries shaped like the client's) is
+        used where it has a finite entry of the right shape; else the cut of the
+        accumulator's direction.
+        """
         if self.direction is None:
             return None
         dot = square = norm2 = 0.0
@@ -726,7 +739,16 @@ class ScalableAccumulator:
                 continue
             ref, along = self.reference[key], self.direction[key]
             base = ref if at is None else ref[at]
-            part = along if at is None else along[at]
+            mine = None if own is None else own.get(key)
+            if (
+                mine is not None
+                and mine.shape == value.shape
+                and mine.dtype == value.dtype
+                and np.all(np.isfinite(mine))
+            ):
+                part = np.ascontiguousarray(mine)
+            else:
+                part = along if at is None else along[at]
             _, square, toward = measure_and_fold(value, base, None, 0.0, square, None, None, part)
             dot += toward
             norm2 += squared_distance(part, np.zeros_like(part))

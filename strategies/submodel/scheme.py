@@ -368,6 +368,8 @@ class SubModelStrategy(HeteroStrategy):
         )
         self.models = GroupModels(self.aggregator, self.group_initial, self.pool_direction)
         self._index: dict[str, dict[str, Index]] = {}
+        self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None]] = (-1, {})
+        """``(completed round, {slice: the server's own update of it})``, a round's cache."""
         if self.env.run.norm == "batch":
             log.warning(
                 "%s with norm='batch': the server averages the slices' running statistics, "
@@ -434,6 +436,26 @@ class SubModelStrategy(HeteroStrategy):
         """The architecture name of the full-size slice (the global model itself)."""
         return slice_name(self.global_name, self.full)
 
+    def slice_direction(self, arch: str) -> dict[str, np.ndarray] | None:
+        """Return the server's own update of slice ``arch`` on its pool (once a round).
+
+        A narrow slice learns differently from the same part of the whole model, so
+        its update is compared with the slice's own training on the server pool
+        (:meth:`~strategies.base.HeteroStrategy.pool_direction`, from the slice the
+        node received), not with a cut of the whole model's. ``None`` for the
+        full-size slice (the accumulator's own direction is that) or when the
+        direction check is off.
+        """
+        if arch == self.full_arch:
+            return None
+        done, cache = self._directions
+        if done != self.completed_round:
+            cache = {}
+            self._directions = (self.completed_round, cache)
+        if arch not in cache:
+            cache[arch] = self.pool_direction(arch, self.sub_state(arch))
+        return cache[arch]
+
     def private_keys(self, arch: str) -> frozenset[str]:
         """Entries of slice ``arch`` averaged only among the nodes training that slice.
 
@@ -478,12 +500,14 @@ class SubModelStrategy(HeteroStrategy):
         index = self.index_of(reply.arch)
         shared = {k: v for k, v in reply.arrays.items() if k not in private}
         weight = reply.weight
+        own = self.slice_direction(reply.arch)
         self.models.fold(
             self.global_name,
             shared,
             weight,
             index={k: index[k] for k in shared},
             node=reply.node_id,
+            direction=None if own is None else {k: v for k, v in own.items() if k in shared},
         )
         if private:
             own = {k: v for k, v in reply.arrays.items() if k in private}
