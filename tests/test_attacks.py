@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,10 @@ def test_partial_updates_are_clipped_on_what_they_cover() -> None:
     acc = MeanAccumulator(ref, clip_factor=1.0, previous={"parameters": 1.0})
     acc.add({"w": np.array([[3.0, 4.0]], np.float32)}, 1.0, index=index)
     out = acc.result()["w"]
-    np.testing.assert_allclose(out, [[0.6, 0.8], [0.0, 0.0]])
+    # distance 5 on the 2 elements it covers; no scale of its slice class yet: the
+    # whole-model scale 1 converted to 2 of 4 elements, sqrt(2 / 4) -> factor 0.7071 / 5
+    f = math.sqrt(0.5) / 5.0
+    np.testing.assert_allclose(out, [[3.0 * f, 4.0 * f], [0.0, 0.0]], rtol=1e-6)
 
 
 def test_group_models_carry_the_median_across_rounds_and_checkpoints() -> None:
