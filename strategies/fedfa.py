@@ -193,6 +193,7 @@ class FedFAStrategy(SubModelStrategy):
                 previous_statistics=self.statistics_report,
                 direction=self.pool_direction(self.global_name, self.global_state),
                 threshold=self.env.run.trust_threshold,
+                ceiling=self.env.run.clip_ceiling if self.env.run.clip_factor > 0 else 0.0,
             )
             self._senders = []
             self._dropped = []

@@ -579,3 +579,19 @@ def test_a_hostile_ensemble_fleet_ends_with_an_artifact_of_sound_models(
         assert all(np.isfinite(v).all() for v in server.models.get(arch).values()), arch
     record = server.rounds[-1]
     assert set(record["ensemble"]["members"]) == set(ensemble.archs)
+
+
+def test_a_lone_first_round_layer_is_bounded_by_the_ceiling() -> None:
+    # Prepare: global layer (3, 4) (norm 5); one client, no earlier reference, moves it
+    # by (300, 400) (norm 500); clip-ceiling 2 -> at most 2 x 5 = 10
+    g = {"w": np.array([3.0, 4.0], np.float32)}
+    lone = {"w": np.array([303.0, 404.0], np.float32)}
+    # Execute
+    bounded = ScalableAccumulator(g, percentile=100, ceiling=2.0)
+    bounded.add(lone)
+    free = ScalableAccumulator(g, percentile=100)
+    free.add(lone)
+    # Assert: factor 10 / 500 -> update (6, 8) -> (9, 12); without a ceiling factor 1
+    np.testing.assert_allclose(bounded.result()["w"], [9.0, 12.0], rtol=1e-5)
+    np.testing.assert_allclose(free.result()["w"], [303.0, 404.0], rtol=1e-6)
+    assert bounded.unreferenced == 1

@@ -577,6 +577,10 @@ class ScalableAccumulator:
         is folded (:attr:`dropped`): scaling fixes a layer's size, not its direction.
     threshold : float
         Run-config ``trust-threshold`` (default 0).
+    ceiling : float
+        Run-config ``clip-ceiling``: a layer with no reference (one client moved it,
+        no earlier round had one) is scaled to at most this multiple of the global
+        layer's own L2 norm (0: no ceiling, factor 1).
     """
 
     def __init__(
@@ -593,6 +597,7 @@ class ScalableAccumulator:
         previous_statistics: AccumulatorReport | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
         threshold: float = 0.0,
+        ceiling: float = 0.0,
     ) -> None:
         if target not in TARGETS:
             raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
@@ -637,6 +642,7 @@ class ScalableAccumulator:
         """Layers fewer than two clients moved, with no earlier reference: factor 1."""
         self.references: dict[str, float] = {}
         """Per layer, the reference this round computed (:func:`reference_norm`)."""
+        self.ceiling = float(ceiling) if math.isfinite(ceiling) and ceiling > 0 else 0.0
         self.direction = None if direction is None else dict(direction)
         self.threshold = float(threshold)
         self.dropped: list[tuple[int, float]] = []
@@ -784,20 +790,26 @@ class ScalableAccumulator:
             if own is not None:
                 self.references[key] = own
             rho = self._reference(key, norms)
+            cap = math.inf
             if rho is None:
                 # fewer than two clients moved the layer (at most one is folded) and no
-                # earlier round gives a scale: factor 1, its own norm as the multiplier
+                # earlier round gives a scale: factor 1, its own norm as the multiplier,
+                # but never past the ceiling, a scale no client sets (clip-ceiling x the
+                # global layer's own norm): a lone node's first round is bounded too
                 self.unreferenced += 1
+                if self.ceiling > 0:
+                    layer = float(np.sqrt(np.sum(np.square(ref, dtype=np.float64))))
+                    cap = self.ceiling * layer if layer > 0 else math.inf
             total = self._inverse.pop(key)
             smallest = self._smallest.get(key, math.inf)
             # min(rho, max_factor * smallest folded norm): rho itself unless a folded layer
             # turns out capped; then no folded factor exceeds max_factor
-            total *= smallest if rho is None else min(rho, self.max_factor * smallest)
+            total *= min(smallest, cap) if rho is None else min(rho, self.max_factor * smallest)
             if key in self._unit.sums:
                 total += self._unit.pop(key)
             kept_capped = 0
             for x, at, w, n in self._kept.pop(key, []):
-                factor = 1.0 if rho is None else rho / n
+                factor = min(1.0, cap / n) if rho is None else rho / n
                 if factor > self.max_factor:
                     factor = self.max_factor
                     kept_capped += 1
