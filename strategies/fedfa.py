@@ -61,6 +61,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from strategies.aggregation import AggregationError
 from strategies.aggregators import DIRECTION, AccumulatorReport
 from strategies.base import RoundContext
@@ -199,6 +201,10 @@ class FedFAStrategy(SubModelStrategy):
             self._dropped = []
         return self._round
 
+    def fold_view(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Graft a slice's arrays to the global depth (as :meth:`fold` grafts replies)."""
+        return graft(arrays, self.layout, self.full.depths)
+
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Graft the reply to the global depth and fold it into this round's aggregate.
 
@@ -220,7 +226,7 @@ class FedFAStrategy(SubModelStrategy):
             grafted,
             weight,
             index=index,
-            direction=None if own is None else graft(own, self.layout, self.full.depths),
+            direction=own,
         )
         if accumulator.count > before:
             self._senders.append(reply.node_id)

@@ -733,9 +733,10 @@ class ScalableAccumulator:
     ) -> float | None:
         """Cosine of the client's scaled layers' update with the direction (``None``: none).
 
-        ``own`` (the slice's own direction, entries shaped like the client's) is
-        used where it has a finite entry of the right shape; else the cut of the
-        accumulator's direction.
+        ``own`` (the slice's own direction, entries shaped like the client's; finite,
+        as :meth:`~strategies.base.HeteroStrategy.pool_direction` returns it) is used
+        where it has an entry of the right shape; else the cut of the accumulator's
+        direction.
         """
         if self.direction is None:
             return None
@@ -746,12 +747,7 @@ class ScalableAccumulator:
             ref, along = self.reference[key], self.direction[key]
             base = ref if at is None else ref[at]
             mine = None if own is None else own.get(key)
-            if (
-                mine is not None
-                and mine.shape == value.shape
-                and mine.dtype == value.dtype
-                and np.all(np.isfinite(mine))
-            ):
+            if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
                 part = np.ascontiguousarray(mine)
             else:
                 part = along if at is None else along[at]

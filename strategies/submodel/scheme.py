@@ -453,8 +453,17 @@ class SubModelStrategy(HeteroStrategy):
             cache = {}
             self._directions = (self.completed_round, cache)
         if arch not in cache:
-            cache[arch] = self.pool_direction(arch, self.sub_state(arch))
+            own = self.pool_direction(arch, self.sub_state(arch))
+            cache[arch] = None if own is None else self.fold_view(own)
         return cache[arch]
+
+    def fold_view(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Return a slice's arrays as :meth:`fold` hands them on (default: as they are).
+
+        FedFA grafts them to the global depth; :meth:`slice_direction` caches the
+        direction in that form, once a round.
+        """
+        return arrays
 
     def private_keys(self, arch: str) -> frozenset[str]:
         """Entries of slice ``arch`` averaged only among the nodes training that slice.
