@@ -7,7 +7,7 @@ Three measurements, each printed as a Markdown table and written to
    of ``--params`` parameters (a few entries, like a model): (a) the reference, a
    streaming float32 accumulation with torch in place (``acc.add_(t, alpha=w)``
    per entry, then one division); (b) ours, the ``mean`` aggregator the strategies
-   use (:class:`strategies.aggregators.MeanAccumulator`); (c) the removed buffered
+   use (:class:`strategies.core.aggregators.MeanAccumulator`); (c) the removed buffered
    ``weighted_average`` (float64 temporaries, kept here as the baseline). Each is
    timed ``--repeats`` times, interleaved (best kept); GB/s counts the client-update bytes
    folded. Target: ours / torch >= 0.8.
@@ -48,9 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import strategies.robust  # noqa: E402,F401  (registers the robust aggregators)
-from strategies import fused  # noqa: E402
-from strategies.aggregators import (  # noqa: E402
+import strategies.core.robust  # noqa: E402,F401  (registers the robust aggregators)
+from strategies.core import fused  # noqa: E402
+from strategies.core.aggregators import (  # noqa: E402
     AccumulatorReport,
     AggregatorSettings,
     Index,

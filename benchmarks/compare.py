@@ -890,7 +890,7 @@ def _check_run_config(
     """Parse every scheme's full run-config as the ServerApp will (fail before any run)."""
     from benchmarks.harness import default_run_config
     from strategies import get_scheme
-    from strategies.aggregators import get_aggregator
+    from strategies.core.aggregators import get_aggregator
     from tessera.config import ConfigError, RunConfig
 
     base = default_run_config()

@@ -305,7 +305,7 @@ def run_cell(
     """
     from client_app.attacks import install_omniscient
     from server_app.app import build_server
-    from strategies.base import RunStoppedError
+    from strategies.core.strategy import RunStoppedError
     from tessera.attacks import attacked_partitions
     from tessera.local_grid import make_grid
 
@@ -630,7 +630,7 @@ def _one_cost(
     """
     import numpy as np
 
-    from strategies.aggregators import AggregatorSettings, get_aggregator
+    from strategies.core.aggregators import AggregatorSettings, get_aggregator
 
     name, settings, streaming = COST_AGGREGATORS[label]
     if "krum_byzantine" in settings:

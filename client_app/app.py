@@ -16,8 +16,8 @@ With node-config ``state-dir`` it is also written to disk after every round and
 reloaded after the SuperNode or its device restarts.
 
 The per-round flow is the scheme's client lifecycle
-(:class:`~strategies.client.ClientAlgorithm`); :func:`train_round` drives it for
-any algorithm, so a wrapper (:class:`~strategies.client.ClientWrapper`) composes
+(:class:`~strategies.core.client.ClientAlgorithm`); :func:`train_round` drives it for
+any algorithm, so a wrapper (:class:`~strategies.core.client.ClientWrapper`) composes
 around any scheme's client.
 """
 
@@ -33,7 +33,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.attacks import with_attack
 from client_app.device import DeviceProfile, resolve_profile
-from strategies.client import (
+from strategies.core.client import (
     STATE_MODEL,
     STATE_MODEL_META,
     ClientAlgorithm,

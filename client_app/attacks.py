@@ -1,7 +1,7 @@
 """The attack harness: hostile clients built from the project's own client lifecycle.
 
-An :class:`AttackClient` wraps any scheme's :class:`~strategies.client.ClientAlgorithm`
-(it is a :class:`~strategies.client.ClientWrapper`), so every scheme can be evaluated
+An :class:`AttackClient` wraps any scheme's :class:`~strategies.core.client.ClientAlgorithm`
+(it is a :class:`~strategies.core.client.ClientWrapper`), so every scheme can be evaluated
 against the same attacks, and its replies are built exactly as an honest node's are
 (the same records, the same Flower encoding). With ``w0`` the weights the node
 started the round from, ``w`` those it trained honestly and ``u = w - w0`` its
@@ -41,7 +41,7 @@ in-process grid (:class:`tessera.local_grid.LocalGrid`) can show a node those:
 :func:`install_omniscient` gives it an :class:`OmniscientAttack` hook per hostile
 node, which the grid calls with the node's own honest reply and the other replies
 of the batch. The hook turns each reply into a flat float64 update (learned
-parameters of the ``arrays`` record, by :func:`strategies.aggregators.entry_kind`,
+parameters of the ``arrays`` record, by :func:`strategies.core.aggregators.entry_kind`,
 minus the same entries of the weights the node was sent, or minus zero where the
 server sent none), counts as honest the nodes the run's draw does not make hostile
 whose entries have the same names and shapes as the attacker's (its architecture or
@@ -74,7 +74,7 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
-from strategies.client import ClientAlgorithm, ClientWrapper, Record, RoundInput, RoundOutcome
+from strategies.core.client import ClientAlgorithm, ClientWrapper, Record, RoundInput, RoundOutcome
 from tessera import attack_math, wire
 from tessera.attacks import attack_assignment
 from tessera.config import ATTACKS, OMNISCIENT_ATTACKS, ConfigError, NodeConfig, RunConfig
@@ -438,7 +438,7 @@ def _shape_of(arrays: Mapping[str, np.ndarray], keys: Sequence[str]) -> list[tup
 
 def weight_keys(arrays: Mapping[str, np.ndarray]) -> list[str]:
     """Return the floating entries of a weights record that are learned parameters."""
-    from strategies.aggregators import entry_kind
+    from strategies.core.aggregators import entry_kind
 
     return [
         k

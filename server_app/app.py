@@ -14,8 +14,8 @@ import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from strategies.base import ServerEnv
-from strategies.registry import ServerRunner
+from strategies.core.context import ServerEnv
+from strategies.core.registry import ServerRunner
 from tessera.checkpoint import CheckpointError
 from tessera.config import ConfigError, RunConfig
 from tessera.results import ResultsWriter, plot_rounds

@@ -1,6 +1,11 @@
-"""Federated schemes: one module per scheme, each registering itself on import.
+"""Federated schemes: one module or package per scheme, each registering itself on import.
 
-``get_scheme(name)`` returns a :class:`~strategies.registry.Scheme` holding the
+The machinery every scheme shares (the round loop, the node table, aggregation,
+reply validation, the client lifecycle, the scheme registry) lives in
+:mod:`strategies.core`; the sub-model schemes (HeteroFL, FlexiFed, NeFL, FedFA) share
+:mod:`strategies.submodel`, one module each.
+
+``get_scheme(name)`` returns a :class:`~strategies.core.registry.Scheme` holding the
 scheme's server strategy, its client algorithm and its option parser.
 """
 
@@ -8,18 +13,16 @@ from strategies import (
     ensemble,
     fedavg,
     fedavg_groups,
-    fedfa,
     fedhenn,
     fedprox,
     felo,
-    flexifed,
     flwr_fedavg,
-    heterofl,
     local,
-    nefl,
-    robust,
+    submodel,
 )
-from strategies.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
+from strategies.core import robust
+from strategies.core.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
+from strategies.submodel import fedfa, flexifed, heterofl, nefl
 
 __all__ = [
     "Scheme",
@@ -40,4 +43,5 @@ __all__ = [
     "nefl",
     "register_scheme",
     "robust",
+    "submodel",
 ]

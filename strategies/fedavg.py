@@ -17,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from strategies.base import NodeInfo, RoundContext
-from strategies.client import ClientAlgorithm
+from strategies.core.client import ClientAlgorithm
+from strategies.core.context import RoundContext
+from strategies.core.nodes import NodeInfo
+from strategies.core.registry import Scheme, register_scheme
+from strategies.core.validation import ClientReply
 from strategies.fedavg_groups import FedAvgGroupsStrategy
-from strategies.registry import Scheme, register_scheme
-from strategies.validation import ClientReply
 from tessera.config import ConfigError, ConfigReader
 
 

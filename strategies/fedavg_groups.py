@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.base import HeteroStrategy, RoundContext
-from strategies.client import ClientAlgorithm
-from strategies.groups import GroupModels, fold_weights
-from strategies.registry import Scheme, no_options, register_scheme
-from strategies.validation import ClientReply, ReplySchema
+from strategies.core.client import ClientAlgorithm
+from strategies.core.context import RoundContext
+from strategies.core.groups import GroupModels, fold_weights
+from strategies.core.registry import Scheme, no_options, register_scheme
+from strategies.core.strategy import HeteroStrategy
+from strategies.core.validation import ClientReply, ReplySchema
 from tessera import wire
 
 
@@ -20,7 +21,7 @@ class FedAvgGroupsStrategy(HeteroStrategy):
     """One global model per architecture, each averaged over its own group.
 
     Replies are folded through the injected aggregator as they arrive
-    (:class:`~strategies.groups.GroupModels`).
+    (:class:`~strategies.core.groups.GroupModels`).
     """
 
     name = "fedavg-groups"

@@ -10,10 +10,10 @@ import torch
 from flwr.app import ConfigRecord
 from torch import nn
 
-from strategies.base import RoundContext
-from strategies.client import RoundInput
+from strategies.core.client import RoundInput
+from strategies.core.context import RoundContext
+from strategies.core.registry import Scheme, register_scheme
 from strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
-from strategies.registry import Scheme, register_scheme
 from tessera.config import ConfigError, ConfigReader
 from tessera.node_state import NodeState
 from tessera.training import LossFn

@@ -20,9 +20,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
-from strategies.base import NodeInfo, ServerEnv, wait_for_nodes
-from strategies.client import ClientAlgorithm
-from strategies.registry import Scheme, register_scheme
+from strategies.core.client import ClientAlgorithm
+from strategies.core.context import ServerEnv
+from strategies.core.exchange import wait_for_nodes
+from strategies.core.nodes import NodeInfo
+from strategies.core.registry import Scheme, register_scheme
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 from tessera.results import ResultsWriter

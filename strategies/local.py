@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.base import TesseraModel
-from strategies.base import HeteroStrategy
-from strategies.client import ClientAlgorithm
-from strategies.registry import Scheme, SchemeError, get_scheme, register_scheme
+from strategies.core.client import ClientAlgorithm
+from strategies.core.registry import Scheme, SchemeError, get_scheme, register_scheme
+from strategies.core.strategy import HeteroStrategy
 from tessera.config import ConfigError, ConfigReader, RunConfig
 
 NAME = "local"

@@ -13,7 +13,7 @@ structure and its array references are well formed. The mappings it returns are
 a field's value against its schema (``HeteroStrategy.load_state_dict``,
 ``GroupModels.load_state_dict``) names both in a :class:`CheckpointError`.
 
-Used by the server's checkpoints (:mod:`strategies.base`) and by node state that
+Used by the server's checkpoints (:mod:`strategies.core.strategy`) and by node state that
 must survive a device restart (:mod:`tessera.node_state`).
 """
 

@@ -7,7 +7,7 @@ reply with the metadata Flower would set, so a strategy's round loop runs withou
 SuperLink, SuperNodes or Ray.
 
 The grid stands in for Flower's *simulation* grid: its :attr:`LocalGrid.simulation`
-flag tells the strategies (``strategies.base``) to let clients emulate run-config
+flag tells the strategies (``strategies.core.strategy``) to let clients emulate run-config
 ``sim-device-profiles``, as they do under ``flwr run`` in simulation.
 
 Omniscient attackers (the attack harness's ALIE, IPM, min-max, min-sum, Mimic and

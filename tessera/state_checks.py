@@ -61,7 +61,7 @@ SAFE_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 """A federation id: a safe folder name of at most 128 characters."""
 
 MEDIAN_KINDS: Final = ("parameters", "statistics")
-"""Entry kinds a checkpoint's median distances are kept for (``strategies.aggregators.
+"""Entry kinds a checkpoint's median distances are kept for (``strategies.core.aggregators.
 entry_kind``)."""
 MEDIAN_LIMIT: Final = 1e6
 """Largest median distance a checkpoint may hold, as a multiple of the norm of its

@@ -280,10 +280,10 @@ def round_input(
     num_classes: int | None = None,
     input_shape: tuple[int, ...] = (1, 8, 8),
 ) -> Any:
-    """A :class:`~strategies.client.RoundInput` for calling a client's hooks directly."""
+    """A :class:`~strategies.core.client.RoundInput` for calling a client's hooks directly."""
     from flwr.app import ConfigRecord
 
-    from strategies.client import RoundInput
+    from strategies.core.client import RoundInput
     from tessera import wire
 
     config = content.config_records.get(wire.CONFIG, ConfigRecord())

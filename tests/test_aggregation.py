@@ -9,8 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from strategies.aggregation import AggregationError, mean_std
-from strategies.aggregators import MeanAccumulator, add_scaled, sum_dtype
+from strategies.core.aggregation import AggregationError, mean_std
+from strategies.core.aggregators import MeanAccumulator, add_scaled, sum_dtype
 
 
 def mean_of(updates: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:

@@ -521,7 +521,7 @@ def test_alie_with_a_hostile_majority_asks_for_attack_z() -> None:
 # ------------------------------------------------------------------ handshake and refusal
 def test_inflate_multiplies_the_claimed_sizes_by_hand() -> None:
     # Prepare
-    from strategies.client import ClientAlgorithm
+    from strategies.core.client import ClientAlgorithm
 
     run = RunConfig.from_flower(load_default_run_config())
     client = AttackClient(ClientAlgorithm(run=run, options=None), AttackSpec("inflate", inflate=3))
@@ -557,7 +557,7 @@ def test_client_side_attacks_are_allowed_in_real_runs(attack: str) -> None:
 
 def test_dense_scale_payloads_are_dense_and_seeded() -> None:
     # Prepare
-    from strategies.client import ClientAlgorithm
+    from strategies.core.client import ClientAlgorithm
 
     run = RunConfig.from_flower(load_default_run_config())
     client = AttackClient(ClientAlgorithm(run=run, options=None), AttackSpec("dense-scale", seed=3))

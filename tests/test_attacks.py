@@ -20,17 +20,17 @@ from flwr.app import Array
 
 from client_app.attacks import AttackSpec, attack_for, flip_labels, install_omniscient
 from server_app.app import build_server
-from strategies.aggregation import AggregationError
-from strategies.aggregators import (
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import (
     AccumulatorReport,
     Index,
     MeanAccumulator,
     get_aggregator,
     lower_median,
 )
+from strategies.core.groups import GroupModels, NonFiniteStateError
 from strategies.fedhenn.kbar import average_kernel
 from strategies.felo.knowledge import ClassKnowledge, bound_knowledge, merge_knowledge
-from strategies.groups import GroupModels, NonFiniteStateError
 from tessera.attacks import attack_assignment, attacked_partitions
 from tessera.config import ATTACKS, ConfigError, NodeConfig, RunConfig
 from tests.conftest import TINY_DIGITS, load_default_run_config, make_grid
@@ -423,7 +423,7 @@ def test_aggregation_errors_skip_the_round_instead_of_ending_the_run(
 def test_a_negative_running_variance_is_rejected() -> None:
     from flwr.app import ArrayRecord
 
-    from strategies.validation import check_arrays
+    from strategies.core.validation import check_arrays
 
     spec = {"bn.running_var": ((2,), "float32")}
     bad = ArrayRecord({"bn.running_var": Array(np.array([1.0, -6.0], np.float32))})

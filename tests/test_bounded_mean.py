@@ -1,7 +1,7 @@
 """The default bounded ``mean``: streaming fold, ratchet-proof scale, ceiling, weight caps.
 
 Every expected value is computed by hand in the test. Every test runs twice: on the
-compiled one-pass loop (:mod:`strategies.fused`, numba) and on the torch path.
+compiled one-pass loop (:mod:`strategies.core.fused`, numba) and on the torch path.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-import strategies.aggregators as aggregators
-import strategies.fused as fused
-from strategies.aggregators import (
+import strategies.core.aggregators as aggregators
+import strategies.core.fused as fused
+from strategies.core.aggregators import (
     MeanAccumulator,
     measure_and_fold,
     next_scale,
     reference_norms,
     squared_distance,
 )
-from strategies.validation import weight_caps
+from strategies.core.validation import weight_caps
 
 
 @pytest.fixture(autouse=True, params=["fused", "torch"])

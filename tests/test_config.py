@@ -498,7 +498,7 @@ def test_flat_input_reaches_the_models_of_the_client_and_the_server(
 ) -> None:
     # Prepare: a run on flat 40-feature samples, the conv family
     from client_app.selection import candidate_costs
-    from strategies.client import ClientAlgorithm
+    from strategies.core.client import ClientAlgorithm
 
     run = RunConfig.from_flower(run_config({"flat-input": form.upper()}))
 

@@ -11,9 +11,9 @@ import pytest
 from flwr.app import Array, Message
 
 from server_app.app import build_server
-from strategies.aggregation import AggregationError
-from strategies.aggregators import AggregatorSettings, get_aggregator, list_aggregators
-from strategies.robust import (
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import AggregatorSettings, get_aggregator, list_aggregators
+from strategies.core.robust import (
     NormClipAccumulator,
     clip_to_norm,
     coordinate_median,

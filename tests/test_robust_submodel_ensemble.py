@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from flwr.app import Message, RecordDict
 
-from strategies.aggregators import MeanAggregator
-from strategies.base import NodeInfo, RoundContext
+from strategies.core.aggregators import MeanAggregator
+from strategies.core.context import RoundContext
+from strategies.core.nodes import NodeInfo
+from strategies.core.validation import ClientReply
 from strategies.ensemble.weights import output_problem
 from strategies.submodel import ScalableAccumulator, scalable_aggregate
 from strategies.submodel.aggregate import effective_norm, reference_norm
-from strategies.validation import ClientReply
 from tessera import wire
 from tests.conftest import TINY_DIGITS, make_grid
 
@@ -570,7 +571,7 @@ def test_a_hostile_ensemble_fleet_ends_with_an_artifact_of_sound_models(
 
     # Assert: the foreign node refused at the handshake, naming both families; the run
     # finished and exported only finite models
-    reasons = [r.reason for r in server._handshake_rejections if r.node_id == 100]
+    reasons = [r.reason for r in server.table.rejections if r.node_id == 100]
     assert reasons and "family 'resnet'" in reasons[0] and "family 'cnn'" in reasons[0]
     assert 100 not in server.nodes
     artifact = server.final_metrics["ensemble_artifact"]

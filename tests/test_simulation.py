@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from server_app.app import build_server
-from strategies.base import RunStoppedError
+from strategies.core.strategy import RunStoppedError
 from tessera.checkpoint import load_state
 from tests.conftest import make_grid, simulate
 

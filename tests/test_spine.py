@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from strategies.aggregation import AggregationError
-from strategies.aggregators import MeanAccumulator, get_aggregator, list_aggregators
-from strategies.exchange import (
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import MeanAccumulator, get_aggregator, list_aggregators
+from strategies.core.exchange import (
     SuperLinkUnavailableError,
     call_with_retries,
     is_transient,
 )
-from strategies.groups import GroupModels
+from strategies.core.groups import GroupModels
 from tessera import wire
 from tessera.checkpoint import CheckpointError, load_state, save_state
 from tessera.config import ConfigError

@@ -18,8 +18,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from client_app.app import build_client, handshake, train, train_round
 from server_app.app import build_server
-from strategies.base import HeteroStrategy, RoundContext, RunStoppedError
-from strategies.client import ClientWrapper, Record, RoundInput, RoundOutcome
+from strategies.core.client import ClientWrapper, Record, RoundInput, RoundOutcome
+from strategies.core.context import RoundContext
+from strategies.core.strategy import HeteroStrategy, RunStoppedError
 from strategies.fedavg_groups import FedAvgGroupsStrategy
 from strategies.felo.knowledge import KNOWLEDGE, record_to_knowledge
 from tessera import wire
@@ -409,7 +410,7 @@ def test_personal_model_continues_after_a_restart_with_state_dir(
 
 
 def test_hetero_strategy_is_not_a_flower_strategy_subclass() -> None:
-    # The loop is Tessera's own (see strategies.base); its hooks take a RoundContext.
+    # The loop is Tessera's own (see strategies.core.strategy); its hooks take a RoundContext.
     import inspect
 
     params = inspect.signature(HeteroStrategy.node_content).parameters
@@ -478,7 +479,7 @@ def test_select_nodes_count_is_max_of_min_and_ceil_fraction(
     tmp_path: Path,
 ) -> None:
     # Prepare: ten eligible nodes whose ids run against their partitions
-    from strategies.base import NodeInfo
+    from strategies.core.nodes import NodeInfo
 
     config = run_config(
         {

@@ -23,9 +23,9 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from strategies.aggregators import get_aggregator
-from strategies.base import HeteroStrategy
-from strategies.groups import GroupModels
+from strategies.core.aggregators import get_aggregator
+from strategies.core.groups import GroupModels
+from strategies.core.strategy import HeteroStrategy
 from tessera import wire
 from tessera.checkpoint import (
     CheckpointError,
@@ -1054,7 +1054,7 @@ def test_a_node_restarted_with_a_bad_personal_model_trains_afresh_with_a_warning
     logged: str,
 ) -> None:
     from client_app.app import STATE_MODEL, STATE_MODEL_META, train
-    from strategies.client import MODEL_ROUNDS
+    from strategies.core.client import MODEL_ROUNDS
     from tessera.config import NodeConfig
 
     # Prepare: round 1 keeps a personal model in the state-dir; the file is then

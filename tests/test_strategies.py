@@ -27,10 +27,11 @@ from torch import nn
 from models import model_entry
 from server_app.app import build_server
 from strategies import get_scheme, list_schemes, register_scheme
-from strategies import registry as scheme_registry
-from strategies.base import exchange, parse_handshake, wait_for_nodes
+from strategies.core import registry as scheme_registry
+from strategies.core.exchange import exchange, wait_for_nodes
+from strategies.core.nodes import parse_handshake
+from strategies.core.validation import Rejection
 from strategies.fedprox import FedProxClient, FedProxOptions, proximal_term
-from strategies.validation import Rejection
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.results import plot_rounds

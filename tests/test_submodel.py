@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strategies.aggregation import AggregationError
-from strategies.aggregators import MeanAccumulator
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import MeanAccumulator
 from strategies.submodel import (
     Layout,
     ScalableAccumulator,

@@ -233,7 +233,7 @@ def test_nefl_learns_each_slices_step_sizes_apart(
 
 
 def test_flexifed_shares_layers_only_along_the_common_prefix() -> None:
-    from strategies.flexifed import common_prefix, sharing
+    from strategies.submodel.flexifed import common_prefix, sharing
 
     e = ((2,), "float32")
     full = {"x": e, "y": e, "z": e, "w": e}  # a deep architecture

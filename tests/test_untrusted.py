@@ -20,9 +20,9 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from server_app.app import build_server
-from strategies.base import parse_handshake
+from strategies.core.nodes import parse_handshake
+from strategies.core.validation import Rejection, ReplyLimits, ReplySchema, validate_reply
 from strategies.felo.knowledge import COUNTS, KNOWLEDGE
-from strategies.validation import Rejection, ReplyLimits, ReplySchema, validate_reply
 from tessera import wire
 from tests.conftest import TINY_DIGITS, instruction, make_grid
 

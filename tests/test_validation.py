@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from strategies.validation import (
+from strategies.core.validation import (
     ClientReply,
     Rejection,
     ReplySchema,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from strategies.base import RoundContext
+from strategies.core.context import RoundContext
 from tessera import wire
 
 

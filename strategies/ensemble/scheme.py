@@ -48,13 +48,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from strategies.base import NodeInfo, RoundContext
-from strategies.client import ClientAlgorithm
+from strategies.core.client import ClientAlgorithm
+from strategies.core.context import RoundContext
+from strategies.core.groups import non_finite_entries
+from strategies.core.nodes import NodeInfo
+from strategies.core.registry import Scheme, register_scheme
 from strategies.ensemble.optimizers import OPTIMIZERS, Split, tune
 from strategies.ensemble.weights import output_problem, uniform_weights
 from strategies.fedavg_groups import FedAvgGroupsStrategy
-from strategies.groups import non_finite_entries
-from strategies.registry import Scheme, register_scheme
 from tessera.config import ConfigError, ConfigReader
 from tessera.data import ArrayDataset
 

@@ -63,14 +63,15 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
 from models.base import TesseraModel, count_parameters
-from strategies.base import HeteroStrategy, RoundContext, ServerEnv
-from strategies.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
+from strategies.core.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
+from strategies.core.context import RoundContext, ServerEnv
+from strategies.core.groups import NonFiniteStateError
+from strategies.core.registry import Scheme, register_scheme
+from strategies.core.strategy import HeteroStrategy
+from strategies.core.validation import ClientReply, ReplySchema
 from strategies.fedavg import FedAvgOptions, FedAvgStrategy
 from strategies.fedhenn.cka import kernel_cka, linear_cka, rbf_cka, rbf_kernel
 from strategies.fedhenn.kbar import FactoredKernel, average_kernel, factorise
-from strategies.groups import NonFiniteStateError
-from strategies.registry import Scheme, register_scheme
-from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader, RunConfig
 from tessera.node_state import NodeState

@@ -220,7 +220,7 @@ def cap_counts(knowledge: ClassKnowledge, max_total: float) -> ClassKnowledge:
 
     A node's counts weigh its knowledge in the count-weighted merge; this keeps
     them within the weight the round allows it (its capped
-    :attr:`strategies.validation.ClientReply.weight`), in proportion, each count
+    :attr:`strategies.core.validation.ClientReply.weight`), in proportion, each count
     at least 1 (a class it reports still counts).
 
     Examples

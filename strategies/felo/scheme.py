@@ -50,8 +50,12 @@ from torch import nn
 
 from models.base import TesseraModel
 from models.projection import ProjectedModel
-from strategies.base import HeteroStrategy, RoundContext
-from strategies.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
+from strategies.core.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
+from strategies.core.context import RoundContext
+from strategies.core.groups import GroupModels, NonFiniteStateError, fold_weights
+from strategies.core.registry import Scheme, register_scheme
+from strategies.core.strategy import HeteroStrategy
+from strategies.core.validation import ClientReply, ReplySchema
 from strategies.felo.cvae import CVAE, CVAEConfig, CVAETrainResult, train_cvae
 from strategies.felo.knowledge import (
     CLASS_TARGETS,
@@ -65,9 +69,6 @@ from strategies.felo.knowledge import (
     merge_knowledge,
     record_to_knowledge,
 )
-from strategies.groups import GroupModels, NonFiniteStateError, fold_weights
-from strategies.registry import Scheme, register_scheme
-from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader, FlatInput, RunConfig
 from tessera.data import ArrayDataset
@@ -464,7 +465,7 @@ class FeloStrategy(HeteroStrategy):
         """Bound and merge the class knowledge, make the targets, commit the group models.
 
         Nothing changes unless everything is finite: non-finite targets or weights
-        raise :class:`~strategies.groups.NonFiniteStateError` (the round is skipped).
+        raise :class:`~strategies.core.groups.NonFiniteStateError` (the round is skipped).
         """
         run = self.env.run
         extra: dict[str, Any] = {}
@@ -552,7 +553,7 @@ class FeloStrategy(HeteroStrategy):
         The base part is restored first (it refuses a checkpoint of another scheme
         or another experiment); then the scheme's own entries are checked
         (:meth:`checked_scheme_state`) and the group models are checked and
-        restored (:meth:`~strategies.groups.GroupModels.load_state_dict`); only when
+        restored (:meth:`~strategies.core.groups.GroupModels.load_state_dict`); only when
         both pass are the scheme's entries assigned.
 
         Raises

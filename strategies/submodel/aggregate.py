@@ -3,7 +3,7 @@
 Coverage averaging (HeteroFL, NeFL, and FedFA after grafting): every global entry
 is averaged, element by element, over the clients whose slice covers it, weighted
 by their examples (or uniformly); elements nobody covered keep the global value.
-It is :class:`strategies.aggregators.MeanAccumulator` (``clip_factor=0``) fed with
+It is :class:`strategies.core.aggregators.MeanAccumulator` (``clip_factor=0``) fed with
 each sub-model's channel-prefix index: :func:`coverage_average` is that, for lists.
 
 Scalable aggregation (FedFA Algorithm 1, lines 12-22), per layer ``l`` (one
@@ -81,7 +81,7 @@ with ``kappa = 3`` nearly every honest layer keeps the paper's factor; with
 
 Only learned floating parameters are scaled. Batch-norm running statistics (a
 variance times a factor is no variance) and integer entries (step counters) are
-folded by the injected :class:`~strategies.aggregators.Aggregator` (``statistics``:
+folded by the injected :class:`~strategies.core.aggregators.Aggregator` (``statistics``:
 FedFA's run-config ``aggregator``, ``mean`` with ``clip-factor``), so each update's
 statistics are bounded to a multiple of the cohort's median distance from the
 global statistics, apart from the parameters, exactly as in every other scheme;
@@ -107,8 +107,8 @@ from typing import Literal
 
 import numpy as np
 
-from strategies.aggregation import AggregationError
-from strategies.aggregators import (
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import (
     Accumulator,
     AccumulatorReport,
     Aggregator,
@@ -528,7 +528,7 @@ class ScalableAccumulator:
     Equal, within float32 rounding, to :func:`scalable_aggregate` of the same
     clients (with ``statistics`` left out), without keeping their states. Per
     scaled layer ``l`` it holds, in the entry's precision and in place
-    (:class:`~strategies.aggregators.EntrySums`)::
+    (:class:`~strategies.core.aggregators.EntrySums`)::
 
         P_l = sum_{c: e_c > 0} (N_c / e_c) X_c     (X: the update, or the weights)
         S_l = sum_{c: e_c = 0} N_c X_c              (factor 1)
@@ -571,7 +571,7 @@ class ScalableAccumulator:
         The last round's :meth:`report`, for a ``statistics`` bound carried over.
     direction : Mapping[str, np.ndarray], optional
         The server's own update of the global model on its pool
-        (:meth:`~strategies.base.HeteroStrategy.pool_direction`). A client whose
+        (:meth:`~strategies.core.strategy.HeteroStrategy.pool_direction`). A client whose
         scaled layers' update (its slice of them, grafted) has cosine at most
         ``threshold`` with the same slice of it is dropped whole, before anything
         is folded (:attr:`dropped`): scaling fixes a layer's size, not its direction.
@@ -734,7 +734,7 @@ class ScalableAccumulator:
         """Cosine of the client's scaled layers' update with the direction (``None``: none).
 
         ``own`` (the slice's own direction, entries shaped like the client's; finite,
-        as :meth:`~strategies.base.HeteroStrategy.pool_direction` returns it) is used
+        as :meth:`~strategies.core.strategy.HeteroStrategy.pool_direction` returns it) is used
         where it has an entry of the right shape; else the cut of the accumulator's
         direction.
         """

@@ -13,8 +13,8 @@ from models.spec import (
     section_depths,
     sub_shape,
 )
-from strategies.aggregation import AggregationError
-from strategies.aggregators import Index
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import Index
 
 
 def prefix_index(shape: tuple[int, ...]) -> Index:
@@ -82,7 +82,7 @@ def extract(
     tuple[dict[str, np.ndarray], dict[str, Index]]
         The sub-model's state dict (global key order), and per key the index (one
         slice per dimension) of its values in the global entry: what
-        :meth:`strategies.aggregators.MeanAccumulator.add` takes as ``index``.
+        :meth:`strategies.core.aggregators.MeanAccumulator.add` takes as ``index``.
 
     Raises
     ------

@@ -39,12 +39,13 @@ from torch import nn
 
 from models.base import TesseraModel
 from models.spec import Layout, SubModelSpec, slice_name, split_name
-from strategies.aggregators import Index
-from strategies.base import HeteroStrategy, RoundContext
-from strategies.client import ClientAlgorithm, RoundInput
-from strategies.groups import GroupModels, without_arrays
+from strategies.core.aggregators import Index
+from strategies.core.client import ClientAlgorithm, RoundInput
+from strategies.core.context import RoundContext
+from strategies.core.groups import GroupModels, without_arrays
+from strategies.core.strategy import HeteroStrategy
+from strategies.core.validation import ClientReply, ReplySchema
 from strategies.submodel.extract import extract
-from strategies.validation import ClientReply, ReplySchema
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader, RunConfig
 from tessera.data import ArrayDataset
@@ -441,7 +442,7 @@ class SubModelStrategy(HeteroStrategy):
 
         A narrow slice learns differently from the same part of the whole model, so
         its update is compared with the slice's own training on the server pool
-        (:meth:`~strategies.base.HeteroStrategy.pool_direction`, from the slice the
+        (:meth:`~strategies.core.strategy.HeteroStrategy.pool_direction`, from the slice the
         node received), not with a cut of the whole model's. ``None`` for the
         full-size slice (the accumulator's own direction is that) or when the
         direction check is off.
@@ -552,7 +553,7 @@ class SubModelStrategy(HeteroStrategy):
         recomputed from scratch on the server pool.
         """
         accuracy = {
-            arch: self._accuracy(arch, arrays, self.env.global_test)
+            arch: self.accuracy_of(arch, arrays, self.env.global_test)
             for arch, arrays in self.evaluated_models().items()
         }
         out: dict[str, Any] = {
@@ -560,15 +561,10 @@ class SubModelStrategy(HeteroStrategy):
             "global_accuracy_by_arch": {self.global_name: accuracy[self.global_name]},
             "submodel_accuracy": accuracy,
         }
-        if "label-flip" in self.env.run.attack:
-            success = self._accuracy(
-                self.global_name, self.sub_state(self.full_arch), self.flipped_test_set()
-            )
-            out["attack_success"] = success
-            out["attack_success_by_arch"] = {self.global_name: success}
         return out
 
-    def _accuracy(self, arch: str, arrays: Mapping[str, np.ndarray], data: ArrayDataset) -> float:
+    def accuracy_of(self, arch: str, arrays: Mapping[str, np.ndarray], data: ArrayDataset) -> float:
+        """Accuracy on ``data``; with ``norm="static-batch"`` statistics come from the pool."""
         from tessera.training import evaluate_model, recompute_batch_statistics
 
         static = self.env.run.norm == "static-batch"

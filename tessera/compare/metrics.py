@@ -1,7 +1,7 @@
 """What a run says under the evaluation protocol: the same fields for every scheme.
 
 Pure functions of a run's round records (``metrics.jsonl``, one dict per round as
-:class:`strategies.base.HeteroStrategy` writes them) and of finished cells; no
+:class:`strategies.core.strategy.HeteroStrategy` writes them) and of finished cells; no
 Flower, no torch. ``docs/protocol.md`` says what each field means.
 """
 

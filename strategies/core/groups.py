@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.aggregators import (
+from strategies.core.aggregators import (
     DIRECTION,
     Accumulator,
     AccumulatorReport,
@@ -26,7 +26,7 @@ from strategies.aggregators import (
     Index,
     parse_scale_key,
 )
-from strategies.validation import ClientReply
+from strategies.core.validation import ClientReply
 from tessera import wire
 
 log = logging.getLogger("flwr.tessera")
@@ -57,7 +57,7 @@ class GroupModels:
         Seeded initial weights of an architecture (the first time it is needed).
     direction : Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray] | None], optional
         The server's own update of an architecture's current weights on its pool
-        (:meth:`strategies.base.HeteroStrategy.pool_direction`), asked once per
+        (:meth:`strategies.core.strategy.HeteroStrategy.pool_direction`), asked once per
         group and round when its first update arrives, for aggregators that check
         where updates point; ``None`` (or a ``None`` result) leaves it out.
     """

@@ -63,11 +63,12 @@ from typing import Any
 
 import numpy as np
 
-from strategies.aggregation import AggregationError
-from strategies.aggregators import DIRECTION, AccumulatorReport
-from strategies.base import RoundContext
-from strategies.groups import NonFiniteStateError, non_finite_entries, without_arrays
-from strategies.registry import Scheme, register_scheme
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import DIRECTION, AccumulatorReport
+from strategies.core.context import RoundContext
+from strategies.core.groups import NonFiniteStateError, non_finite_entries, without_arrays
+from strategies.core.registry import Scheme, register_scheme
+from strategies.core.validation import ClientReply
 from strategies.submodel.aggregate import ScalableAccumulator
 from strategies.submodel.extract import coverage_index
 from strategies.submodel.graft import graft
@@ -77,7 +78,6 @@ from strategies.submodel.scheme import (
     SubModelStrategy,
     slice_counts,
 )
-from strategies.validation import ClientReply
 from tessera.config import ConfigError, ConfigReader
 
 log = logging.getLogger("flwr.tessera")

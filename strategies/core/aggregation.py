@@ -1,7 +1,7 @@
 """Pure arithmetic shared by the schemes: the aggregation error and summary statistics.
 
 Weight averaging itself lives behind the Aggregator seam
-(:mod:`strategies.aggregators`, :mod:`strategies.robust`).
+(:mod:`strategies.core.aggregators`, :mod:`strategies.core.robust`).
 """
 
 from __future__ import annotations

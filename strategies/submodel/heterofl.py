@@ -8,7 +8,7 @@ their value. Masked cross-entropy (``submodel-mask-classes``), the scaler
 (``submodel-scaler``) and static batch norm (``norm="static-batch"``: statistics
 recomputed on server data before every evaluation) are HeteroFL's; all are in
 :mod:`strategies.submodel.scheme`. The coverage average goes through the injected
-:class:`~strategies.aggregators.Aggregator`, so the default update bound (``clip-factor``)
+:class:`~strategies.core.aggregators.Aggregator`, so the default update bound (``clip-factor``)
 and the robust aggregators that support coverage apply.
 
 With run-config ``heterofl-rolling=true`` the slices follow FedRolex's rolling window
@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.base import RoundContext
-from strategies.registry import Scheme, register_scheme
+from strategies.core.context import RoundContext
+from strategies.core.registry import Scheme, register_scheme
+from strategies.core.validation import ClientReply
 from strategies.submodel.extract import roll_channels
 from strategies.submodel.scheme import SubModelClient, SubModelOptions, SubModelStrategy
-from strategies.validation import ClientReply
 from tessera.config import ConfigReader
 
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from strategies.client import ClientAlgorithm
+from strategies.core.client import ClientAlgorithm
 
 if TYPE_CHECKING:
-    from strategies.base import NodeInfo
+    from strategies.core.nodes import NodeInfo
 
 
 class SchemeError(ValueError):

@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.base import RoundContext
-from strategies.groups import non_finite_entries, without_arrays
-from strategies.registry import Scheme, register_scheme
+from strategies.core.context import RoundContext
+from strategies.core.groups import non_finite_entries, without_arrays
+from strategies.core.registry import Scheme, register_scheme
+from strategies.core.validation import ArraySpec, ClientReply
 from strategies.submodel.scheme import SubModelClient, SubModelOptions, SubModelStrategy
-from strategies.validation import ArraySpec, ClientReply
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 

@@ -19,7 +19,7 @@ float32 precision (:func:`add_scaled`, :func:`sum_dtype`; float64 only for integ
 entries and the scalar weight sums): ``benchmarks/aggregation.py`` measures it
 against torch's in-place accumulation and its peak memory for 1,000 updates.
 Robust aggregators register here under their own names (:func:`register_aggregator`);
-the order-statistic ones buffer the round (:mod:`strategies.robust`).
+the order-statistic ones buffer the round (:mod:`strategies.core.robust`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from strategies import fused
-from strategies.aggregation import AggregationError
+from strategies.core import fused
+from strategies.core.aggregation import AggregationError
 from tessera.config import ConfigError, RunConfig
 
 Index = tuple[slice, ...]
@@ -273,7 +273,7 @@ def measure_and_fold(
     """Add ``sum((value - base) ** 2)`` to ``square``; fold blocks of ``value`` while in bounds.
 
     With numba installed, contiguous float32/float64 entries take one compiled pass
-    (:mod:`strategies.fused`: blocks measured in the entry's precision, summed in
+    (:mod:`strategies.core.fused`: blocks measured in the entry's precision, summed in
     float64, a block past float32's range again in float64; folded in the entry's
     precision).
     Otherwise blocks of :data:`CHUNK` elements are measured in turn (the difference into a
@@ -1159,7 +1159,7 @@ class MeanAggregator:
 
 @dataclass(frozen=True)
 class AggregatorSettings:
-    """The run-config knobs of the aggregators (:mod:`strategies.robust`).
+    """The run-config knobs of the aggregators (:mod:`strategies.core.robust`).
 
     Attributes
     ----------

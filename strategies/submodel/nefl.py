@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.layers import BLOCK_STEP
-from strategies.registry import Scheme, register_scheme
+from strategies.core.registry import Scheme, register_scheme
 from strategies.submodel.scheme import (
     SubModelClient,
     SubModelOptions,

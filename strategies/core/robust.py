@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strategies.aggregation import AggregationError
-from strategies.aggregators import (
+from strategies.core.aggregation import AggregationError
+from strategies.core.aggregators import (
     Accumulator,
     AccumulatorReport,
     Index,
@@ -188,7 +188,7 @@ class NormClipAccumulator(MeanAccumulator):
     """Example-weighted mean of updates whose distance to the global model is clipped.
 
     Learned parameters and batch-norm statistics are each clipped to ``max_norm``
-    (:func:`strategies.aggregators.entry_kind`); partial updates (per-entry coverage)
+    (:func:`strategies.core.aggregators.entry_kind`); partial updates (per-entry coverage)
     are measured and clipped on the part of the global model they cover.
     """
 

@@ -20,7 +20,7 @@ from typing import TypeVar
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from strategies.validation import short_reason
+from strategies.core.validation import short_reason
 from tessera import wire
 
 log = logging.getLogger("flwr.tessera")
