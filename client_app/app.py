@@ -27,8 +27,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.attacks import with_attack
@@ -92,6 +93,32 @@ class NodeData:
     num_classes: int
     input_shape: tuple[int, ...]
     partition_id: int
+    data_key: int = -1
+    """Stable identity of the data: the partition, or for a node's own file a digest
+    of its content (:func:`data_key`); it seeds training and orders nodes on the server."""
+
+
+EMPTY_TEST_SPLIT = 4001
+"""Error code of an evaluate reply from a node without a local test split."""
+
+
+def data_key(train: ArrayDataset) -> int:
+    """Return a stable 31-bit identity of a node's own training data.
+
+    Nodes with their own data file report partition -1; without this they would
+    share seeds, and the server's node order would hang on node ids, which change
+    across restarts. The digest covers the labels, the shape and an evenly strided
+    sample of the inputs (a few thousand values), so it costs little per message.
+    """
+    import hashlib
+
+    flat = np.ascontiguousarray(train.x).reshape(-1)
+    step = max(1, flat.size // 4096)
+    digest = hashlib.sha256()
+    digest.update(repr((tuple(train.x.shape), str(train.x.dtype))).encode())
+    digest.update(np.ascontiguousarray(train.y).tobytes())
+    digest.update(np.ascontiguousarray(flat[::step]).tobytes())
+    return int.from_bytes(digest.digest()[:4], "big") & 0x7FFFFFFF
 
 
 def partition_config(run: RunConfig) -> PartitionConfig:
@@ -152,7 +179,9 @@ def load_node_data(
             expect_shape=expect_shape,
             expect_classes=expect_classes,
         )
-        return NodeData(own.train, own.test, own.num_classes, own.input_shape, -1)
+        return NodeData(
+            own.train, own.test, own.num_classes, own.input_shape, -1, data_key(own.train)
+        )
     assert node.partition_id is not None and node.num_partitions is not None
     part = node_partition_data(
         run.dataset,
@@ -166,7 +195,14 @@ def load_node_data(
         expect_shape=expect_shape,
         expect_classes=expect_classes,
     )
-    return NodeData(part.train, part.test, part.num_classes, part.input_shape, node.partition_id)
+    return NodeData(
+        part.train,
+        part.test,
+        part.num_classes,
+        part.input_shape,
+        node.partition_id,
+        node.partition_id,
+    )
 
 
 def _announced_task(config: ConfigRecord) -> tuple[int | None, tuple[int, ...] | None]:
@@ -314,6 +350,7 @@ def handshake(msg: Message, context: Context) -> Message:
         "num-train": len(data.train),
         "num-test": len(data.test),
         "partition-id": data.partition_id,
+        "data-key": data.data_key,
         "label-counts": label_counts(data.train.y, data.num_classes),
         "state-restored": state.restored_from_disk,
         "state-round": state.saved_round,
@@ -377,7 +414,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
     profile = _profile(node, state)
     device = select_device(profile.accelerator)
 
-    torch.manual_seed(run.seed + 1000 * (data.partition_id + 1))
+    torch.manual_seed(run.seed + 1000 * (data.data_key + 1))
     model = algorithm.build_model(rnd.arch, input_shape=input_shape, num_classes=num_classes)
     algorithm.load_weights(model, rnd, state)
     model.to(device)
@@ -389,7 +426,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
             run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
         ),
         device=device,
-        seed=run.seed + 7919 * server_round + data.partition_id,
+        seed=run.seed + 7919 * server_round + data.data_key,
         loss_fn=algorithm.loss_fn(),
     )
     test_loss, test_acc = evaluate_model(model, test_set, batch_size=256, device=device)
@@ -421,6 +458,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     model = algo.build_model(
         algo.arch_for(config), input_shape=input_shape, num_classes=num_classes
     )
+    if len(data.test) == 0:
+        # an accuracy of 0 on one made-up example would be averaged in as real; say why
+        # there is nothing to report instead (Flower's strategies drop error replies)
+        reason = (
+            "this node has no local test split to evaluate on (run-config "
+            f"local-test-fraction={run.local_test_fraction:g}); raise it above 0"
+        )
+        log.warning(reason)
+        return Message(error=Error(code=EMPTY_TEST_SPLIT, reason=reason), reply_to=msg)
     load_state_record(model, content.array_records[wire.ARRAYS])
     loss, acc = evaluate_model(model, data.test, batch_size=256, device=torch.device("cpu"))
     return Message(
@@ -428,9 +474,9 @@ def evaluate(msg: Message, context: Context) -> Message:
             {
                 wire.METRICS: MetricRecord(
                     {
-                        wire.NUM_EXAMPLES: max(len(data.test), 1),
-                        wire.TEST_LOSS: 0.0 if len(data.test) == 0 else loss,
-                        wire.TEST_ACCURACY: 0.0 if len(data.test) == 0 else acc,
+                        wire.NUM_EXAMPLES: len(data.test),
+                        wire.TEST_LOSS: loss,
+                        wire.TEST_ACCURACY: acc,
                     }
                 )
             }

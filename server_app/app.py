@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 from flwr.app import Context
@@ -36,6 +37,10 @@ def results_dir(run: RunConfig) -> Path:
     return Path(run.output_dir).expanduser() / name
 
 
+def _finite(value: Any) -> TypeGuard[float]:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
 def summarise(rounds: list[Mapping[str, Any]], started: float) -> dict[str, Any]:
     """Compute a run's final figures from its round records."""
     if not rounds:
@@ -49,11 +54,8 @@ def summarise(rounds: list[Mapping[str, Any]], started: float) -> dict[str, Any]
         "final_global_accuracy": last.get("global_accuracy"),
         "final_global_accuracy_by_arch": last.get("global_accuracy_by_arch"),
         "best_personal_accuracy_mean": max(
-            (
-                r["personal_accuracy_mean"]
-                for r in rounds
-                if r.get("personal_accuracy_mean") is not None
-            ),
+            # a skipped round with no reply records NaN (read back: None); neither counts
+            (v for r in rounds if _finite(v := r.get("personal_accuracy_mean"))),
             default=None,
         ),
         "archs": sorted({c["arch"] for r in rounds for c in r.get("clients", [])}),

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord
 from torch import nn
 
 from strategies.core.client import RoundInput
-from strategies.core.context import RoundContext
 from strategies.core.registry import Scheme, register_scheme
 from strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
 from tessera.config import ConfigError, ConfigReader
@@ -38,15 +36,13 @@ class FedProxOptions(FedAvgOptions):
 
 
 class FedProxStrategy(FedAvgStrategy):
-    """FedAvg that also sends ``proximal-mu`` to the clients."""
+    """FedAvg's server; the proximal term is the clients' alone.
+
+    Each client reads ``proximal-mu`` from the run config it shares with the server,
+    so nothing is sent for it.
+    """
 
     name = "fedprox"
-
-    def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
-        """FedAvg's config plus ``proximal-mu``."""
-        config = super().train_config(ctx, node_id, arch)
-        config["proximal-mu"] = self.options.proximal_mu
-        return config
 
 
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:

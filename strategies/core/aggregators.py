@@ -141,11 +141,6 @@ class Aggregator(Protocol):
         ...
 
 
-def full_index(shape: tuple[int, ...]) -> Index:
-    """Return the index covering a whole entry of ``shape``."""
-    return tuple(slice(0, n) for n in shape)
-
-
 def _check_index(key: str, index: Index, value: np.ndarray, ref: np.ndarray) -> Index:
     if len(index) != ref.ndim:
         raise AggregationError(

@@ -370,8 +370,3 @@ class ClientWrapper(ClientAlgorithm):
     def save_state(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
         """Delegate to the inner client."""
         self.inner.save_state(model, rnd, state)
-
-
-def records_of(records: Mapping[str, Record]) -> RecordDict:
-    """Pack a reply's records into a :class:`RecordDict`."""
-    return RecordDict(dict(records))

@@ -24,6 +24,7 @@ from strategies.core.aggregators import (
     AccumulatorReport,
     Aggregator,
     Index,
+    check_update,
     parse_scale_key,
 )
 from strategies.core.validation import ClientReply
@@ -120,6 +121,25 @@ class GroupModels:
             acc.add(update, weight, index=index, direction=direction)
         if acc.count > before:
             self._senders[arch].append(node)
+
+    def check(
+        self,
+        arch: str,
+        update: Mapping[str, np.ndarray],
+        *,
+        index: Mapping[str, Index] | None = None,
+    ) -> None:
+        """Raise what :meth:`fold` would raise for ``update``'s names, dtypes and shapes.
+
+        A reply folded in two steps (a sub-model's shared and private parts) checks
+        its second part first, so it is folded whole or not at all.
+
+        Raises
+        ------
+        AggregationError
+            If an entry is unknown, of another dtype, or does not fit its index.
+        """
+        check_update(self.get(arch), update, index)
 
     def commit(self) -> dict[str, int]:
         """Replace each group's weights by its aggregate; return updates per group.

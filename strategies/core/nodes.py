@@ -50,6 +50,9 @@ class NodeInfo:
     partition_id: int
     label_counts: tuple[int, ...]
     profile: dict[str, Any]
+    data_key: int = -1
+    """Stable identity of the node's data (its partition, or a digest of its own file);
+    orders nodes across restarts, where node ids change."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe description for ``config.json`` and checkpoints."""
@@ -64,6 +67,7 @@ class NodeInfo:
             "num_test": self.num_test,
             "label_counts": list(self.label_counts),
             "profile": self.profile,
+            "data_key": self.data_key,
         }
 
     @classmethod
@@ -92,6 +96,7 @@ class NodeInfo:
             partition_id=get_int(data, "partition_id", where=where, minimum=any_int),
             label_counts=tuple(counts),
             profile=dict(get_mapping(data, "profile", where=where)),
+            data_key=get_int(data, "data_key", where=where, minimum=any_int, default=-1),
         )
 
 
@@ -128,6 +133,7 @@ def parse_handshake(
             partition_id=int(rec["partition-id"]),  # type: ignore[arg-type]
             label_counts=counts,
             profile={k[len("device-") :]: v for k, v in rec.items() if k.startswith("device-")},
+            data_key=int(rec.get("data-key", rec["partition-id"])),  # type: ignore[arg-type]
         )
     except (KeyError, TypeError, ValueError) as err:
         return Rejection(node_id, f"handshake profile is malformed: {err}")

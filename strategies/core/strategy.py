@@ -263,18 +263,21 @@ class HeteroStrategy:
 
         ``max(min-train-nodes, ceil(fraction-train * eligible))`` nodes (all when
         that is at least the number eligible), drawn without replacement with the
-        round's generator from the eligible nodes ordered by partition, then node id
-        (partitions are stable across restarts, node ids are not).
+        round's generator from the eligible nodes ordered by partition, then data key
+        (a digest of a node's own data file), then node id: the first two are stable
+        across restarts, node ids are not.
         """
-        order = sorted(
-            ctx.eligible, key=lambda n: (self.nodes[n].partition_id if n in self.nodes else -1, n)
-        )
+        order = sorted(ctx.eligible, key=self._stable_order)
         run = self.env.run
         want = max(run.min_train_nodes, math.ceil(run.fraction_train * len(order)))
         if want >= len(order):
             return order
         picked = ctx.rng.choice(len(order), size=want, replace=False)
         return [order[i] for i in sorted(int(i) for i in picked)]
+
+    def _stable_order(self, node_id: int) -> tuple[int, int, int]:
+        info = self.nodes.get(node_id)
+        return (-1, -1, node_id) if info is None else (info.partition_id, info.data_key, node_id)
 
     def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
         """Build the records sent to one node this round (the base: only the config)."""

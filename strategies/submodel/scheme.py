@@ -510,6 +510,8 @@ class SubModelStrategy(HeteroStrategy):
         index = self.index_of(reply.arch)
         shared = {k: v for k, v in reply.arrays.items() if k not in private}
         weight = reply.weight
+        if private:  # folded whole or not at all: check the second part before the first
+            self.models.check(reply.arch, {k: v for k, v in reply.arrays.items() if k in private})
         own = self.slice_direction(reply.arch)
         self.models.fold(
             self.global_name,

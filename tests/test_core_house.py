@@ -1,0 +1,272 @@
+"""The shared core (issue 24): the node table, the attack observer, the round record,
+and the latent bugs the review found (each reproduced first, then fixed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+
+from client_app.app import EMPTY_TEST_SPLIT, data_key, evaluate, handshake
+from models import get_model
+from server_app.app import summarise
+from strategies.core.aggregation import AggregationError
+from strategies.core.context import RoundContext
+from strategies.core.nodes import NodeInfo, NodeTable
+from strategies.core.observers import AttackObserver, flipped_test_set
+from strategies.core.validation import ClientReply, Rejection
+from tessera import wire
+from tessera.config import RunConfig
+from tessera.data import ArrayDataset
+from tests.conftest import TINY_DIGITS, instruction, make_context
+
+RunConfigFactory = Callable[..., dict[str, Any]]
+
+
+def node(node_id: int, partition: int, key: int = -1) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id,
+        arch="cnn-1",
+        family="cnn",
+        size_rank=0,
+        arch_fits=True,
+        num_train=10,
+        num_test=2,
+        partition_id=partition,
+        label_counts=(10,),
+        profile={"name": "cpu-small"},
+        data_key=key,
+    )
+
+
+# ------------------------------------------------------------------- node table
+def test_the_node_table_state_round_trips_and_older_entries_read_without_a_data_key() -> None:
+    # Prepare
+    table = NodeTable(
+        nodes={3: node(3, 0), 7: node(7, -1, key=12345)},
+        excluded={9: "cannot train the shared architecture"},
+        rejections=[Rejection(11, "handshake names unknown architecture 'x'")],
+    )
+
+    # Execute
+    back = NodeTable.from_state(table.state())
+    old = table.state()
+    del old["nodes"][1]["data_key"]  # a checkpoint written before data keys
+
+    # Assert
+    assert back.nodes == table.nodes
+    assert back.excluded == table.excluded
+    assert back.rejections == table.rejections
+    assert NodeTable.from_state(old).nodes[7].data_key == -1
+
+
+def test_the_attack_observer_plans_records_and_measures_outside_the_scheme(
+    run_config: RunConfigFactory,
+) -> None:
+    # Prepare: 4 partitions, label-flip at 1/4 -> one hostile partition
+    run = RunConfig.from_flower(
+        run_config({"attack": "label-flip", "attack-fraction": 0.25, "seed": 0})
+    )
+    test = ArrayDataset(np.zeros((4, 1), np.float32), np.array([0, 1, 2, 9], np.int64))
+    observer = AttackObserver(run, test, num_classes=10)
+    table = NodeTable(nodes={100 + p: node(100 + p, p) for p in range(4)})
+
+    # Execute
+    plan = observer.plan(table)
+    attackers = observer.attackers(table, {n: "cnn-1" for n in table.nodes})
+    success = observer.evaluate(lambda data: {"cnn-1": float(len(data)) / 10})
+
+    # Assert: one partition, recorded by node; success is each model's score on the
+    # flipped samples (all four change: 0->9, 1->8, 2->7, 9->0)
+    assert len(plan) == 1 and set(plan.values()) == {"label-flip"}
+    assert [a["partition_id"] for a in attackers] == list(plan)
+    assert success == {"attack_success_by_arch": {"cnn-1": 0.4}, "attack_success": 0.4}
+    flipped = flipped_test_set(test, 10)
+    assert flipped.y.tolist() == [9, 8, 7, 0]
+    clean = AttackObserver(RunConfig.from_flower(run_config()), test, num_classes=10)
+    assert clean.evaluate(lambda data: {"cnn-1": 1.0}) == {}
+    assert clean.document(table) is None
+
+
+def test_a_sample_whose_label_the_flip_keeps_is_left_out_of_the_success_set() -> None:
+    # 5 of 10 classes: label 2 flips to 2 (C - 1 - y), so it cannot show success
+    test = ArrayDataset(np.zeros((3, 1), np.float32), np.array([0, 2, 4], np.int64))
+    assert flipped_test_set(test, 5).y.tolist() == [4, 0]
+
+
+# ------------------------------------------------------------------ latent bugs
+def test_a_skipped_round_does_not_make_the_best_accuracy_null() -> None:
+    # Prepare: round 2 was skipped with no reply (NaN mean; None once read back)
+    rounds = [
+        {"round": 1, "personal_accuracy_mean": 0.5, "round_seconds": 1, "overhead_seconds": 0},
+        {"round": 2, "personal_accuracy_mean": math.nan, "round_seconds": 1, "overhead_seconds": 0},
+        {"round": 3, "personal_accuracy_mean": 0.7, "round_seconds": 1, "overhead_seconds": 0},
+        {"round": 4, "personal_accuracy_mean": None, "round_seconds": 1, "overhead_seconds": 0},
+    ]
+    nan_first = [rounds[1], rounds[0]]
+
+    # Execute / Assert
+    assert summarise(rounds, 0.0)["best_personal_accuracy_mean"] == 0.7
+    assert summarise(nan_first, 0.0)["best_personal_accuracy_mean"] == 0.5
+    assert summarise([rounds[1]], 0.0)["best_personal_accuracy_mean"] is None
+
+
+def write_own_data(path: Path, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    x = rng.random((60, 1, 8, 8), dtype=np.float32)
+    y = np.arange(60, dtype=np.int64) % 10
+    np.savez(path, x_train=x, y_train=y)
+    return path
+
+
+def test_nodes_with_their_own_data_get_stable_distinct_keys(
+    run_config: RunConfigFactory, tmp_path: Path, fast_clients: None
+) -> None:
+    # Prepare: two devices with their own files, and the first again after a restart
+    # (another node id): all report partition -1
+    config = run_config({"local-epochs": 1, "model-family": "cnn"})
+    first = write_own_data(tmp_path / "a.npz", 0)
+    second = write_own_data(tmp_path / "b.npz", 1)
+    message = instruction(
+        RecordDict({wire.CONFIG: ConfigRecord({"server-round": 0, "simulation": True})}),
+        dst_node_id=5,
+        message_type=wire.HANDSHAKE,
+    )
+
+    def key_of(node_id: int, path: Path) -> tuple[int, int]:
+        reply = handshake(
+            message,
+            make_context(node_id, config, {"data-path": str(path), "device-profile": "cpu-small"}),
+        )
+        record = reply.content.config_records[wire.PROFILE]
+        return int(record["partition-id"]), int(record["data-key"])  # type: ignore[call-overload]
+
+    # Execute
+    a, b, a_again = key_of(5, first), key_of(6, second), key_of(99, first)
+
+    # Assert: the same data gives the same key whatever the node id; other data another
+    assert a[0] == b[0] == -1
+    assert a == a_again
+    assert a[1] != b[1]
+    assert 0 <= a[1] < 2**31
+
+
+def test_data_key_covers_labels_and_inputs() -> None:
+    x = np.zeros((4, 3), np.float32)
+    base = data_key(ArrayDataset(x, np.array([0, 1, 2, 3])))
+    assert data_key(ArrayDataset(x, np.array([0, 1, 2, 3]))) == base
+    assert data_key(ArrayDataset(x, np.array([0, 1, 3, 2]))) != base
+    assert data_key(ArrayDataset(x + 1, np.array([0, 1, 2, 3]))) != base
+
+
+def test_the_server_orders_own_data_nodes_by_their_key_not_their_node_id(
+    run_config: RunConfigFactory, digits_bundle: Any
+) -> None:
+    from server_app.app import build_server
+
+    # Prepare: the same three devices (partition -1, keys 30, 10, 20) under two sets
+    # of node ids, as after a restart; fraction-train picks 2 of 3
+    config = run_config({"strategy": "fedavg", "fraction-train": 0.5, "min-train-nodes": 1})
+    picks = []
+    for ids in ((1, 2, 3), (900, 500, 100)):
+        server = build_server(config, bundle=digits_bundle).runner
+        server.table.nodes.update(
+            {n: node(n, -1, key=k) for n, k in zip(ids, (30, 10, 20), strict=True)}
+        )
+        ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng([0, 1]))
+        ctx.eligible = {n: "cnn-1" for n in ids}
+        keys = {n: server.nodes[n].data_key for n in ids}
+
+        # Execute
+        picks.append(sorted(keys[n] for n in server.select_nodes(ctx)))
+
+    # Assert: the same devices are drawn
+    assert picks[0] == picks[1]
+
+
+def test_a_sub_model_reply_is_folded_whole_or_not_at_all(
+    run_config: RunConfigFactory, digits_bundle: Any, tmp_path: Path
+) -> None:
+    from server_app.app import build_server
+
+    # Prepare: NeFL keeps a slice's normalisation layers apart (a second fold step);
+    # node 2's private part has the wrong dtype, so that step must fail
+    config = run_config(
+        {
+            **TINY_DIGITS,
+            "strategy": "nefl",
+            "model-family": "preresnet",
+            "submodel-widths": "1,0.25",
+            "norm": "batch",
+            "server-trust": False,
+            "output-dir": str(tmp_path),
+        }
+    )
+    server = build_server(config, bundle=digits_bundle).runner
+    arch = server.full_arch
+    private = server.private_keys(arch)
+    assert private, "NeFL keeps normalisation layers per slice"
+    start = server.sub_state(arch)
+    honest = {
+        k: v + np.asarray(0.01, v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+        for k, v in start.items()
+    }
+    broken = {
+        k: (v.astype(np.float64) if k in private and v.dtype == np.float32 else v + 5)
+        for k, v in honest.items()
+    }
+    ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
+
+    def reply(node_id: int, arrays: dict[str, np.ndarray]) -> ClientReply:
+        return ClientReply(
+            node_id=node_id,
+            arch=arch,
+            metrics={wire.NUM_EXAMPLES: 100.0},
+            arrays=arrays,
+            content=RecordDict(),
+            bytes_up=0,
+            bytes_down=0,
+        )
+
+    # Execute
+    server.fold(ctx, reply(1, honest))
+    with pytest.raises(AggregationError, match="float64"):
+        server.fold(ctx, reply(2, broken))
+    server.aggregate(ctx, [])
+
+    # Assert: the global model is node 1's alone (node 2's shared part, +5, is not in)
+    after = server.sub_state(arch)
+    for key in start:
+        if key not in private and np.issubdtype(start[key].dtype, np.floating):
+            np.testing.assert_allclose(after[key], honest[key], rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_without_a_test_split_replies_with_an_error_naming_the_fix(
+    run_config: RunConfigFactory, fast_clients: None
+) -> None:
+    # Prepare: local-test-fraction 0 leaves the node no test split
+    config = run_config(
+        {"strategy": "fedavg", "local-test-fraction": 0.0, "local-epochs": 1, "model-family": "cnn"}
+    )
+    context = make_context(100, config, {"partition-id": 0, "num-partitions": 3})
+    model = get_model("cnn-1", input_shape=(1, 8, 8), num_classes=10)
+    content = RecordDict(
+        {
+            wire.CONFIG: ConfigRecord({"arch": "cnn-1", "server-round": 1}),
+            wire.ARRAYS: wire.state_to_record(model.state_dict()),
+        }
+    )
+
+    # Execute
+    reply = evaluate(instruction(content, dst_node_id=100, message_type="evaluate"), context)
+
+    # Assert: no made-up example at accuracy 0; the reason names the key
+    assert reply.has_error()
+    assert reply.error.code == EMPTY_TEST_SPLIT
+    assert "local-test-fraction" in (reply.error.reason or "")
