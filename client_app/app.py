@@ -270,6 +270,17 @@ def _profile(node: NodeConfig, state: NodeState) -> DeviceProfile:
     return resolve_profile(node.device_profile, None, node.partition_id, benchmark=True)
 
 
+def resolve(run_config: Any) -> tuple[RunConfig, ClientAlgorithm]:
+    """Read the run config as the scheme does (:func:`~strategies.core.registry.resolve_run`).
+
+    Returns the resolved run config and the scheme's client algorithm.
+    """
+    from strategies import resolve_run
+
+    resolved = resolve_run(run_config)
+    return resolved.run, resolved.scheme.client(run=resolved.run, options=resolved.options)
+
+
 def build_client(run: RunConfig, run_config: Any) -> ClientAlgorithm:
     """Build the client algorithm of the scheme named by run-config ``strategy``."""
     from strategies import get_scheme
@@ -286,9 +297,9 @@ def handshake(msg: Message, context: Context) -> Message:
     from models.spec import split_name
     from strategies import get_scheme
 
-    run = RunConfig.from_flower(context.run_config)
+    run, client = resolve(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    algorithm = with_attack(build_client(run, context.run_config), run, node)
+    algorithm = with_attack(client, run, node)
     data = load_node_data(run, node)
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
     simulated = bool(config.get("simulation", False))
@@ -370,9 +381,9 @@ def train(msg: Message, context: Context) -> Message:
     ``attack`` and ``attack-fraction`` in simulation) runs the scheme's client inside
     :class:`client_app.attacks.AttackClient`.
     """
-    run = RunConfig.from_flower(context.run_config)
+    run, client = resolve(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    algorithm = with_attack(build_client(run, context.run_config), run, node)
+    algorithm = with_attack(client, run, node)
     return train_round(msg, context, algorithm)
 
 
@@ -393,7 +404,9 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
     Message
         The reply with the records of :meth:`ClientAlgorithm.finish_round`.
     """
-    run = RunConfig.from_flower(context.run_config)
+    from strategies import resolve_run
+
+    run = resolve_run(context.run_config).run
     node = NodeConfig.from_flower(context.node_config)
     content = msg.content
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
@@ -447,9 +460,8 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received weights on the local test split."""
-    run = RunConfig.from_flower(context.run_config)
+    run, algo = resolve(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    algo = build_client(run, context.run_config)
     content = msg.content
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
     expect_classes, expect_shape = _announced_task(config)

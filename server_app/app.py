@@ -114,12 +114,11 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
         If a value is invalid, or the checkpoint to resume is of another run.
     """
     from models import list_models
-    from strategies import get_scheme
+    from strategies import resolve_run
     from tessera.data import load_bundle, split_server_pool
 
-    run = RunConfig.from_flower(run_config)
-    scheme = get_scheme(run.strategy)
-    options = scheme.parse_options(run_config)
+    resolved = resolve_run(run_config)
+    run, scheme, options = resolved.run, resolved.scheme, resolved.options
     family = run.model_family or scheme.family(options)
     try:
         list_models(family)

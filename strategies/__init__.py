@@ -21,7 +21,14 @@ from strategies import (
     submodel,
 )
 from strategies.core import robust
-from strategies.core.registry import Scheme, SchemeError, get_scheme, list_schemes, register_scheme
+from strategies.core.registry import (
+    Scheme,
+    SchemeError,
+    get_scheme,
+    list_schemes,
+    register_scheme,
+    resolve_run,
+)
 from strategies.submodel import fedfa, flexifed, heterofl, nefl
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "local",
     "nefl",
     "register_scheme",
+    "resolve_run",
     "robust",
     "submodel",
 ]

@@ -55,8 +55,6 @@ class FedAvgStrategy(FedAvgGroupsStrategy):
     ``fedavg-groups`` where every node is assigned the same architecture.
     """
 
-    name = "fedavg"
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.shared_arch: str | None = None

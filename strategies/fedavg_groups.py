@@ -24,8 +24,6 @@ class FedAvgGroupsStrategy(HeteroStrategy):
     (:class:`~strategies.core.groups.GroupModels`).
     """
 
-    name = "fedavg-groups"
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)

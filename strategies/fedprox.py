@@ -42,8 +42,6 @@ class FedProxStrategy(FedAvgStrategy):
     so nothing is sent for it.
     """
 
-    name = "fedprox"
-
 
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
     """Return ``sum ||w - w0||^2`` over the model's parameters.

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -81,7 +81,8 @@ class _RecordingFedAvg(FedAvg):
 class FlowerFedAvgRunner:
     """Runs Flower's ``FedAvg.start`` and writes Tessera-format results."""
 
-    name = "flwr-fedavg"
+    name: ClassVar[str] = "hetero"
+    """Set by :func:`~strategies.core.registry.register_scheme`."""
 
     def __init__(
         self, *, env: ServerEnv, options: FlowerFedAvgOptions, results: ResultsWriter | None

@@ -66,8 +66,6 @@ class LocalOptions:
 class LocalStrategy(HeteroStrategy):
     """Sends only the round's config; nothing is aggregated."""
 
-    name = NAME
-
     def known_archs(self) -> list[str]:
         """Return the ``local-like`` scheme's candidates (its slices), else every model."""
         options = self.options

@@ -402,14 +402,31 @@ class RunConfig:
     trust_threshold: float
     knowledge_clip_factor: float
 
+    @staticmethod
+    def strategy_of(run_config: Mapping[str, Any]) -> str:
+        """Return run-config ``strategy`` (the scheme to look up before parsing the rest).
+
+        Raises
+        ------
+        ConfigError
+            If the key is missing or not a string.
+        """
+        return ConfigReader(run_config, "run-config").get("strategy", str)
+
     @classmethod
-    def from_flower(cls, run_config: Mapping[str, Any]) -> RunConfig:
+    def from_flower(
+        cls, run_config: Mapping[str, Any], *, default_norm: str = "batch"
+    ) -> RunConfig:
         """Parse and validate Flower's ``context.run_config``.
 
         Parameters
         ----------
         run_config : Mapping[str, Any]
             The raw run config.
+        default_norm : str
+            What an empty ``norm`` means: the scheme's own default
+            (:func:`strategies.core.registry.resolve_run` passes it; the sub-model
+            schemes use ``"static-batch"``, every other ``"batch"``).
 
         Returns
         -------
@@ -441,7 +458,7 @@ class RunConfig:
             local_test_fraction=r.get("local-test-fraction", float),
             seed=seed,
             model_family=r.optional_str("model-family"),
-            norm=r.get("norm", str),
+            norm=r.get("norm", str).strip() or default_norm,
             flat_input=cast("FlatInput", r.get("flat-input", str).strip().lower()),
             local_epochs=r.get("local-epochs", int),
             batch_size=r.get("batch-size", int),

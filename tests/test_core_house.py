@@ -270,3 +270,68 @@ def test_evaluate_without_a_test_split_replies_with_an_error_naming_the_fix(
     assert reply.has_error()
     assert reply.error.code == EMPTY_TEST_SPLIT
     assert "local-test-fraction" in (reply.error.reason or "")
+
+
+# ------------------------------------------------------------ scheme contracts
+@pytest.mark.parametrize(
+    ("scheme", "norm"),
+    [
+        ("heterofl", "static-batch"),
+        ("fedfa", "static-batch"),
+        ("nefl", "static-batch"),
+        ("flexifed", "static-batch"),
+        ("fedavg", "batch"),
+        ("felo", "batch"),
+    ],
+)
+def test_each_scheme_owns_its_normalisation_default_and_an_explicit_one_wins(
+    scheme: str, norm: str, run_config: RunConfigFactory
+) -> None:
+    from strategies import resolve_run
+
+    # Execute
+    default = resolve_run(run_config({"strategy": scheme}))
+    chosen = resolve_run(run_config({"strategy": scheme, "norm": "group"}))
+
+    # Assert
+    assert default.run.norm == norm
+    assert chosen.run.norm == "group"
+    assert default.scheme.name == scheme
+
+
+def test_a_scheme_refuses_an_aggregator_it_would_not_honour_naming_the_fix(
+    run_config: RunConfigFactory,
+) -> None:
+    from strategies import resolve_run
+    from tessera.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'aggregator' is 'median'.*'fedfa'.*use one of mean"):
+        resolve_run(run_config({"strategy": "fedfa", "aggregator": "median"}))
+    with pytest.raises(ConfigError, match=r"'krum'.*'heterofl'.*use one of mean, norm-clip"):
+        resolve_run(run_config({"strategy": "heterofl", "aggregator": "krum"}))
+    assert resolve_run(run_config({"strategy": "heterofl", "aggregator": "norm-clip"}))
+
+
+def test_slice_axes_are_options_on_the_instance(run_config: RunConfigFactory) -> None:
+    from strategies import resolve_run
+
+    def axes(scheme: str, **extra: Any) -> tuple[bool, bool]:
+        options = resolve_run(run_config({"strategy": scheme, **extra})).options
+        return options.width_flexible, options.depth_flexible
+
+    assert axes("heterofl") == (True, False)
+    assert axes("flexifed") == (False, True)
+    assert axes("nefl") == (True, True)
+    assert axes("fedfa") == (True, True)
+    assert axes("fedfa", **{"fedfa-slices": "width"}) == (True, False)
+    assert axes("fedfa", **{"fedfa-slices": "depth"}) == (False, True)
+
+
+def test_every_server_class_takes_its_name_from_the_registration() -> None:
+    from strategies import get_scheme, list_schemes
+
+    for name in list_schemes():
+        scheme = get_scheme(name)
+        classes = [scheme.server] if isinstance(scheme.server, type) else []
+        for cls in [*classes, *scheme.server_classes]:
+            assert cls.name == name, (cls, name)  # type: ignore[attr-defined]

@@ -473,16 +473,20 @@ def test_bytes_down_of_fedavg_covers_the_model(federation: FederationRunner) -> 
         assert record["bytes_up_total"] == sum(c["bytes_up"] for c in record["clients"])
 
 
-def test_fedprox_sends_proximal_mu(
+def test_fedprox_reads_proximal_mu_from_the_run_config_and_sends_nothing_for_it(
     federation: FederationRunner, default_run_config: dict[str, Any]
 ) -> None:
+    from client_app.app import resolve
+
     # Execute
     fed = federation("fedprox")
+    _, client = resolve({**default_run_config, "strategy": "fedprox", "proximal-mu": 0.3})
 
-    # Assert
+    # Assert: the server sends no key the client would not read; the client's mu is the
+    # run config's (every node shares it)
     for message in fed.grid.sent_of("train"):
-        config = message.content.config_records[wire.CONFIG]
-        assert config["proximal-mu"] == default_run_config["proximal-mu"]
+        assert "proximal-mu" not in message.content.config_records[wire.CONFIG]
+    assert client.options.proximal_mu == 0.3
 
 
 # ------------------------------------------------------------------------- groups, local
@@ -675,11 +679,16 @@ def test_registry_lists_the_schemes() -> None:
 def test_duplicate_registration_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     # Prepare: a private copy of the registry so nothing leaks into other tests
     monkeypatch.setattr(scheme_registry, "_SCHEMES", dict(scheme_registry._SCHEMES))
-    fresh = dataclasses.replace(get_scheme("local"), name="local-copy")
+    local = get_scheme("local")
+    server = type("LocalCopy", (local.server,), {})
+    fresh = dataclasses.replace(local, name="local-copy", server=server)
     register_scheme(fresh)
 
-    # Execute / Assert
+    # Execute / Assert: the name is given to the server class; one class serves one scheme
     assert get_scheme("local-copy") is fresh
+    assert server.name == "local-copy" and local.server.name == "local"  # type: ignore[attr-defined]
+    with pytest.raises(scheme_registry.SchemeError, match="already the server of scheme 'local'"):
+        register_scheme(dataclasses.replace(local, name="local-again"))
     with pytest.raises(scheme_registry.SchemeError, match="'local-copy' is already registered"):
         register_scheme(fresh)
     with pytest.raises(scheme_registry.SchemeError, match="'fedavg' is already registered"):

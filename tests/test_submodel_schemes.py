@@ -81,6 +81,7 @@ def test_with_every_node_on_the_full_model_the_scheme_is_fedavg(
         "submodel-mask-classes": False,
         "fedavg-arch": "preresnet26_025",
         "clip-factor": 0,  # no update bound: FedAvg's plain mean, compared exactly
+        "norm": "batch",  # the same normalisation on both sides (sub-models default to static)
     }
     fedavg = run_scheme(run_config, digits_bundle, tmp_path / "a", {"strategy": "fedavg", **same})
     sub = run_scheme(

@@ -1,18 +1,31 @@
-"""Registry of schemes: one name, one module, server and client side together."""
+"""Registry of schemes: one name, one module, server and client side together.
+
+A :class:`Scheme` is the contract between a scheme and the rest of Tessera: its name
+(the one source: :func:`register_scheme` gives it to the server classes), its
+server and client, its typed options, the defaults it owns (architecture family,
+normalisation) and a :attr:`~Scheme.validate` hook that refuses, with the fix, a run
+config it would not honour. :func:`resolve_run` is how the ServerApp and the
+ClientApp read a run config: both see the same resolved values.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from strategies.core.client import ClientAlgorithm
+from tessera.config import RunConfig
 
 if TYPE_CHECKING:
     from strategies.core.nodes import NodeInfo
+
+
+OptionsT = TypeVar("OptionsT")
+"""A scheme's options type (the result of its ``parse_options``)."""
 
 
 class SchemeError(ValueError):
@@ -47,43 +60,65 @@ class ServerRunner(Protocol):
 
 
 @dataclass(frozen=True)
-class Scheme:
+class Scheme(Generic[OptionsT]):
     """A registered scheme.
 
     Attributes
     ----------
     name : str
-        The run-config ``strategy`` value.
+        The run-config ``strategy`` value; :func:`register_scheme` sets it as the
+        ``name`` of :attr:`server` (when it is a class) and of :attr:`server_classes`.
     server : Callable[..., ServerRunner]
         Builds the server side: ``server(env=..., options=..., results=...)``.
     client : type[ClientAlgorithm]
         The client side.
-    parse_options : Callable[[Mapping[str, Any]], Any]
+    parse_options : Callable[[Mapping[str, Any]], OptionsT]
         Parses the scheme's own run-config keys into a typed object.
     default_family : str
         The architecture family used when run-config ``model-family`` is empty.
     description : str
         One line for ``--help`` style listings and the README.
-    family_of : Callable[[Any], str] or None
+    family_of : Callable[[OptionsT], str] or None
         For a scheme whose family depends on its options (``local`` with
         ``local-like``): the family given the parsed options; None: always
         ``default_family``.
+    norm : str
+        The normalisation used when run-config ``norm`` is empty (the sub-model
+        schemes: ``"static-batch"``, their papers' choice).
+    validate : Callable[[RunConfig, OptionsT], None] or None
+        Raises :class:`~tessera.config.ConfigError` naming the key and the fix for a
+        run config the scheme would not honour (a key it would ignore, an
+        aggregator it cannot use).
+    server_classes : tuple[type, ...]
+        The classes a server *factory* may build (FedHeNN's two modes), named too.
     """
 
     name: str
     server: Callable[..., ServerRunner]
     client: type[ClientAlgorithm]
-    parse_options: Callable[[Mapping[str, Any]], Any]
+    parse_options: Callable[[Mapping[str, Any]], OptionsT]
     default_family: str
     description: str
-    family_of: Callable[[Any], str] | None = None
+    family_of: Callable[[OptionsT], str] | None = None
+    norm: str = "batch"
+    validate: Callable[[RunConfig, OptionsT], None] | None = None
+    server_classes: tuple[type, ...] = ()
 
-    def family(self, options: Any) -> str:
+    def family(self, options: OptionsT) -> str:
         """Return the architecture family when run-config ``model-family`` is empty."""
         return self.default_family if self.family_of is None else self.family_of(options)
 
 
-_SCHEMES: dict[str, Scheme] = {}
+@dataclass(frozen=True)
+class ResolvedRun(Generic[OptionsT]):
+    """A run config read for one scheme: the common keys, the scheme and its options."""
+
+    run: RunConfig
+    scheme: Scheme[OptionsT]
+    options: OptionsT
+
+
+_SCHEMES: dict[str, Scheme[Any]] = {}
 
 
 def no_options(run_config: Mapping[str, Any]) -> None:
@@ -91,15 +126,55 @@ def no_options(run_config: Mapping[str, Any]) -> None:
     return None
 
 
-def register_scheme(scheme: Scheme) -> Scheme:
-    """Register ``scheme``; a duplicate name raises :class:`SchemeError`."""
+def register_scheme(scheme: Scheme[OptionsT]) -> Scheme[OptionsT]:
+    """Register ``scheme`` and give its server classes its name.
+
+    Raises
+    ------
+    SchemeError
+        If the name is taken, or a server class already serves another scheme.
+    """
     if scheme.name in _SCHEMES:
         raise SchemeError(f"scheme '{scheme.name}' is already registered")
+    classes = ((scheme.server,) if isinstance(scheme.server, type) else ()) + scheme.server_classes
+    for other in _SCHEMES.values():
+        taken = [c for c in classes if c is other.server or c in other.server_classes]
+        if taken:
+            raise SchemeError(
+                f"{taken[0].__name__} is already the server of scheme '{other.name}'; give "
+                f"'{scheme.name}' a subclass of its own (its name is set from the registration)"
+            )
+    for cls in classes:
+        cls.name = scheme.name  # type: ignore[attr-defined]
     _SCHEMES[scheme.name] = scheme
     return scheme
 
 
-def get_scheme(name: str) -> Scheme:
+def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
+    """Read a run config as its scheme reads it: common keys, scheme, options, checks.
+
+    An empty ``norm`` becomes the scheme's own (:attr:`Scheme.norm`), and the
+    scheme's :attr:`~Scheme.validate` hook runs. The ServerApp and every ClientApp
+    call this, so both sides see the same values.
+
+    Raises
+    ------
+    ConfigError
+        If a value is invalid or the scheme refuses it (the message names the key
+        and the fix).
+    SchemeError
+        If run-config ``strategy`` names no scheme.
+    """
+    strategy = RunConfig.strategy_of(run_config)
+    scheme: Scheme[Any] = get_scheme(strategy)
+    run = RunConfig.from_flower(run_config, default_norm=scheme.norm)
+    options = scheme.parse_options(run_config)
+    if scheme.validate is not None:
+        scheme.validate(run, options)
+    return ResolvedRun(run, scheme, options)
+
+
+def get_scheme(name: str) -> Scheme[Any]:
     """Return the scheme called ``name``.
 
     Raises

@@ -108,6 +108,8 @@ class HeteroStrategy:
     """
 
     name: ClassVar[str] = "hetero"
+    """The scheme's name: :func:`~strategies.core.registry.register_scheme` sets it from
+    the one place it is written, the scheme's registration."""
 
     def __init__(
         self,

@@ -130,8 +130,6 @@ class EnsembleOptions:
 class EnsembleStrategy(FedAvgGroupsStrategy):
     """``fedavg-groups`` plus the tuned weighted ensemble of the group models."""
 
-    name = "ensemble"
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         import importlib.util

@@ -384,8 +384,6 @@ def alignment_metrics(replies: Sequence[ClientReply], eta: float) -> dict[str, A
 class FedHeNNHomogeneousStrategy(FedAvgStrategy):
     """FedAvg of one shared architecture plus the RAD for the CKA term."""
 
-    name = "fedhenn"
-
     def __init__(self, *, env: ServerEnv, options: FedHeNNOptions, **kwargs: Any) -> None:
         super().__init__(env=env, options=options, **kwargs)
         self.options: FedHeNNOptions = options
@@ -438,8 +436,6 @@ class AlignmentTarget:
 
 class FedHeNNHeterogeneousStrategy(HeteroStrategy):
     """Personal models on their own architectures, aligned to the averaged kernel."""
-
-    name = "fedhenn"
 
     def __init__(self, *, env: ServerEnv, options: FedHeNNOptions, **kwargs: Any) -> None:
         super().__init__(env=env, options=options, **kwargs)
@@ -1012,6 +1008,7 @@ SCHEME = register_scheme(
     Scheme(
         name="fedhenn",
         server=fedhenn_server,
+        server_classes=(FedHeNNHomogeneousStrategy, FedHeNNHeterogeneousStrategy),
         client=FedHeNNClient,
         parse_options=FedHeNNOptions.parse,
         default_family="cnn",

@@ -40,7 +40,7 @@ import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -405,8 +405,6 @@ class FeloClient(ClientAlgorithm):
 class FeloStrategy(HeteroStrategy):
     """Felo's server: per-class averages of knowledge, FedAvg within architecture groups."""
 
-    name: ClassVar[str] = "felo"
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
@@ -736,8 +734,6 @@ def checked_cvae(state: Mapping[str, Any], key: str, config: CVAEConfig) -> CVAE
 class VeloStrategy(FeloStrategy):
     """Velo's server: synthetic per-class features from a conditional VAE."""
 
-    name: ClassVar[str] = "velo"
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.feature_bank: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -910,8 +906,6 @@ class VeloStrategy(FeloStrategy):
 
 class FedHeStrategy(FeloStrategy):
     """FedHe's server: per-class averages of logits only, no weights."""
-
-    name: ClassVar[str] = "fedhe"
 
 
 FELO = register_scheme(

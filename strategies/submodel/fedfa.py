@@ -59,7 +59,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 
@@ -69,20 +69,28 @@ from strategies.core.context import RoundContext
 from strategies.core.groups import NonFiniteStateError, non_finite_entries, without_arrays
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply
-from strategies.submodel.aggregate import ScalableAccumulator
+from strategies.submodel.aggregate import ScalableAccumulator, Target, Trim
 from strategies.submodel.extract import coverage_index
 from strategies.submodel.graft import graft
 from strategies.submodel.scheme import (
     SubModelClient,
     SubModelOptions,
     SubModelStrategy,
+    check_aggregator,
     slice_counts,
 )
-from tessera.config import ConfigError, ConfigReader
+from tessera.config import ConfigError, ConfigReader, RunConfig
 
 log = logging.getLogger("flwr.tessera")
 
-SLICES = ("both", "width", "depth")
+_L = TypeVar("_L", bound=str)
+
+TARGETS: tuple[Target, ...] = get_args(Target)
+"""Run-config ``fedfa-target`` values."""
+TRIMS: tuple[Trim, ...] = get_args(Trim)
+"""Run-config ``fedfa-trim`` values."""
+Slices = Literal["both", "width", "depth"]
+SLICES: tuple[Slices, ...] = get_args(Slices)
 """Run-config ``fedfa-slices``: the axes nodes may cut their slice along."""
 
 
@@ -91,16 +99,12 @@ class FedFAOptions(SubModelOptions):
     """The sub-model options plus FedFA's aggregation (run-config ``fedfa-*``)."""
 
     scaling: bool = True
-    target: str = "updates"
-    trim: str = "magnitude"
+    target: Target = "updates"
+    trim: Trim = "magnitude"
     percentile: float = 95.0
     weighted: bool = True
-    slices: str = "both"
+    slices: Slices = "both"
     max_factor: float = 10.0
-
-    def axes(self) -> tuple[bool, bool]:
-        """Return whether slices are cut in width and in depth (``fedfa-slices``)."""
-        return self.slices in ("both", "width"), self.slices in ("both", "depth")
 
     @classmethod
     def parse(cls, run_config: Mapping[str, Any]) -> FedFAOptions:
@@ -109,25 +113,15 @@ class FedFAOptions(SubModelOptions):
         target = r.get("fedfa-target", str, "updates")
         trim = r.get("fedfa-trim", str, "magnitude")
         percentile = r.get("fedfa-percentile", float, 95.0)
-        if target not in ("updates", "weights"):
-            raise ConfigError(
-                f"run-config 'fedfa-target' is '{target}'; use 'updates' or 'weights'"
-            )
-        if trim not in ("magnitude", "signed", "central"):
-            raise ConfigError(
-                f"run-config 'fedfa-trim' is '{trim}'; use 'magnitude', 'signed' or 'central'"
-            )
+        target = _one_of("fedfa-target", r.get("fedfa-target", str, "updates"), TARGETS)
+        trim = _one_of("fedfa-trim", r.get("fedfa-trim", str, "magnitude"), TRIMS)
         max_factor = r.get("fedfa-max-factor", float, 10.0)
         if not (max_factor == 0 or max_factor >= 1):
             raise ConfigError(
                 f"run-config 'fedfa-max-factor' is {max_factor}; use 1 or more (e.g. 10), "
                 "or 0 for the paper's unbounded factor"
             )
-        slices = r.get("fedfa-slices", str, "both")
-        if slices not in SLICES:
-            raise ConfigError(
-                f"run-config 'fedfa-slices' is '{slices}'; use one of {', '.join(SLICES)}"
-            )
+        slices = _one_of("fedfa-slices", r.get("fedfa-slices", str, "both"), SLICES)
         if not 0 < percentile <= 100:
             raise ConfigError(
                 f"run-config 'fedfa-percentile' is {percentile}; use a value in (0, 100], e.g. 95"
@@ -141,33 +135,17 @@ class FedFAOptions(SubModelOptions):
             weighted=r.get("fedfa-weighted", bool, True),
             slices=slices,
             max_factor=max_factor,
+            width_flexible=slices in ("both", "width"),
+            depth_flexible=slices in ("both", "depth"),
         )
 
 
 class FedFAClient(SubModelClient):
     """A FedFA node: picks a width and a depth (or one of them, ``fedfa-slices``)."""
 
-    width_flexible = True
-    depth_flexible = True
-
-    def slice_axes(self) -> tuple[bool, bool]:
-        """Return the axes run-config ``fedfa-slices`` allows."""
-        axes: tuple[bool, bool] = self.options.axes()
-        return axes
-
 
 class FedFAStrategy(SubModelStrategy):
     """FedFA's server: graft every reply to the global depth, then scalable aggregation."""
-
-    name = "fedfa"
-    width_flexible = True
-    depth_flexible = True
-    aggregators = ("mean",)
-
-    def slice_axes(self) -> tuple[bool, bool]:
-        """Return the axes run-config ``fedfa-slices`` allows."""
-        axes: tuple[bool, bool] = self.options.axes()
-        return axes
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -185,9 +163,9 @@ class FedFAStrategy(SubModelStrategy):
             opts: FedFAOptions = self.options
             self._round = ScalableAccumulator(
                 self.global_state,
-                target=opts.target,  # type: ignore[arg-type]
+                target=opts.target,
                 percentile=opts.percentile,
-                trim=opts.trim,  # type: ignore[arg-type]
+                trim=opts.trim,
                 max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
                 clip_factor=self.env.run.clip_factor,
                 previous=self.references,
@@ -338,6 +316,29 @@ class FedFAStrategy(SubModelStrategy):
         self.statistics_report = AccumulatorReport(medians=scale) if scale else None
 
 
+def _one_of(key: str, value: str, allowed: tuple[_L, ...]) -> _L:
+    """Return ``value`` as one of ``allowed`` (a ``Literal``'s values) or refuse it."""
+    for option in allowed:
+        if value == option:
+            return option
+    raise ConfigError(f"run-config '{key}' is '{value}'; use one of {', '.join(allowed)}")
+
+
+def validate_fedfa(run: RunConfig, options: FedFAOptions) -> None:
+    """Refuse what FedFA would not honour: an aggregator other than the bounded mean.
+
+    Its scalable aggregation folds the parameters itself and the batch-norm
+    statistics through ``mean`` (run-config ``clip-factor`` bounds both); the robust
+    aggregators cannot take its scaled, grafted updates.
+
+    Raises
+    ------
+    ConfigError
+        If run-config ``aggregator`` is not ``mean``.
+    """
+    check_aggregator("fedfa", run.aggregator, ("mean",))
+
+
 SCHEME = register_scheme(
     Scheme(
         name="fedfa",
@@ -345,6 +346,8 @@ SCHEME = register_scheme(
         client=FedFAClient,
         parse_options=FedFAOptions.parse,
         default_family="preresnet",
+        norm="static-batch",
+        validate=validate_fedfa,
         description="FedFA: width x depth slices, layer grafting, scalable aggregation",
     )
 )

@@ -42,7 +42,12 @@ from strategies.core.context import RoundContext
 from strategies.core.groups import non_finite_entries, without_arrays
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ArraySpec, ClientReply
-from strategies.submodel.scheme import SubModelClient, SubModelOptions, SubModelStrategy
+from strategies.submodel.scheme import (
+    SubModelClient,
+    SubModelOptions,
+    SubModelStrategy,
+    validate_submodel,
+)
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 
@@ -107,6 +112,8 @@ class FlexiFedOptions(SubModelOptions):
     """The sub-model options plus ``flexifed-strategy``."""
 
     strategy: str = "max-common"
+    width_flexible: bool = False
+    depth_flexible: bool = True
 
     @classmethod
     def parse(cls, run_config: Mapping[str, Any]) -> FlexiFedOptions:
@@ -125,16 +132,9 @@ class FlexiFedOptions(SubModelOptions):
 class FlexiFedClient(SubModelClient):
     """A FlexiFed node: picks a depth, keeps every channel."""
 
-    width_flexible = False
-    depth_flexible = True
-
 
 class FlexiFedStrategy(SubModelStrategy):
     """FlexiFed's server (module docstring)."""
-
-    name = "flexifed"
-    width_flexible = False
-    depth_flexible = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -289,6 +289,8 @@ SCHEME = register_scheme(
         client=FlexiFedClient,
         parse_options=FlexiFedOptions.parse,
         default_family="preresnet",
+        norm="static-batch",
+        validate=validate_submodel,
         description="FlexiFed: depth slices, common prefix shared, the rest per cluster or node",
     )
 )

@@ -30,7 +30,12 @@ from strategies.core.context import RoundContext
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply
 from strategies.submodel.extract import roll_channels
-from strategies.submodel.scheme import SubModelClient, SubModelOptions, SubModelStrategy
+from strategies.submodel.scheme import (
+    SubModelClient,
+    SubModelOptions,
+    SubModelStrategy,
+    validate_submodel,
+)
 from tessera.config import ConfigReader
 
 
@@ -39,6 +44,8 @@ class HeteroFLOptions(SubModelOptions):
     """The sub-model options plus ``heterofl-rolling`` (FedRolex's window)."""
 
     rolling: bool = False
+    width_flexible: bool = True
+    depth_flexible: bool = False
 
     @classmethod
     def parse(cls, run_config: Mapping[str, Any]) -> HeteroFLOptions:
@@ -50,16 +57,9 @@ class HeteroFLOptions(SubModelOptions):
 class HeteroFLClient(SubModelClient):
     """A HeteroFL node: picks a width, keeps every block."""
 
-    width_flexible = True
-    depth_flexible = False
-
 
 class HeteroFLStrategy(SubModelStrategy):
     """HeteroFL's server: prefix slices out, coverage average in."""
-
-    name = "heterofl"
-    width_flexible = True
-    depth_flexible = False
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Commit the coverage average; with ``heterofl-rolling``, move the window by one."""
@@ -77,6 +77,8 @@ SCHEME = register_scheme(
         client=HeteroFLClient,
         parse_options=HeteroFLOptions.parse,
         default_family="preresnet",
+        norm="static-batch",
+        validate=validate_submodel,
         description="HeteroFL: width slices of one global model, averaged by coverage "
         "(FedRolex's rolling window as an option)",
     )

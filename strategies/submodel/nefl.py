@@ -31,6 +31,7 @@ from strategies.submodel.scheme import (
     SubModelOptions,
     SubModelStrategy,
     norm_entries,
+    validate_submodel,
 )
 from tessera.config import ConfigReader
 
@@ -66,16 +67,9 @@ def step_entries(keys: frozenset[str] | set[str]) -> frozenset[str]:
 class NeFLClient(SubModelClient):
     """A NeFL node: picks a width and a depth."""
 
-    width_flexible = True
-    depth_flexible = True
-
 
 class NeFLStrategy(SubModelStrategy):
     """NeFL's server: shared weights by coverage, normalisation and steps per slice."""
-
-    name = "nefl"
-    width_flexible = True
-    depth_flexible = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -97,6 +91,8 @@ SCHEME = register_scheme(
         client=NeFLClient,
         parse_options=NeFLOptions.parse,
         default_family="preresnet",
+        norm="static-batch",
+        validate=validate_submodel,
         description="NeFL: width x depth slices, shared weights by coverage, norms and "
         "block step sizes per slice",
     )

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,12 +106,17 @@ class SubModelOptions:
     scaler : bool
         Divide every convolution's output by the width ratio in training
         (``submodel-scaler``, default true; HeteroFL's scaler).
+    width_flexible, depth_flexible : bool
+        Whether a node may cut its slice in width, in depth: the scheme's own, not
+        run-config keys (each scheme's options class sets its defaults).
     """
 
     global_model: str | None = None
     widths: tuple[float, ...] = DEFAULT_WIDTHS
     mask_classes: bool = True
     scaler: bool = True
+    width_flexible: bool = True
+    depth_flexible: bool = True
 
     @classmethod
     def read(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -256,15 +261,33 @@ def attach_scaler(model: nn.Module, width: float) -> int:
     return count
 
 
+def check_aggregator(scheme: str, aggregator: str, allowed: tuple[str, ...]) -> None:
+    """Refuse an aggregator a sub-model scheme cannot use, naming those it can.
+
+    Raises
+    ------
+    ConfigError
+        If ``aggregator`` is not in ``allowed``.
+    """
+    if aggregator not in allowed:
+        raise ConfigError(
+            f"run-config 'aggregator' is '{aggregator}', which '{scheme}' cannot use: it "
+            f"needs one that averages partial updates by coverage; use one of "
+            f"{', '.join(allowed)}"
+        )
+
+
+def validate_submodel(run: RunConfig, options: SubModelOptions) -> None:
+    """Refuse an aggregator the sub-model schemes cannot use (their ``validate`` hook)."""
+    check_aggregator(run.strategy, run.aggregator, COVERAGE_AGGREGATORS)
+
+
 class SubModelClient(ClientAlgorithm):
     """A node of a sub-model scheme: trains the slice the server names.
 
-    Class attributes ``width_flexible`` and ``depth_flexible`` say which slices it
-    may pick in the handshake (set by each scheme's subclass).
+    Its options' ``width_flexible`` and ``depth_flexible`` say which slices it may
+    pick in the handshake.
     """
-
-    width_flexible: ClassVar[bool] = True
-    depth_flexible: ClassVar[bool] = True
 
     def __init__(self, *, run: RunConfig, options: Any) -> None:
         super().__init__(run=run, options=options)
@@ -272,7 +295,7 @@ class SubModelClient(ClientAlgorithm):
 
     def slice_axes(self) -> tuple[bool, bool]:
         """Return whether a node may cut its slice in width and in depth."""
-        return self.width_flexible, self.depth_flexible
+        return self.options.width_flexible, self.options.depth_flexible
 
     def candidate_archs(self, family: str) -> list[str]:
         """Return the slices of the global model this scheme lets a node train."""
@@ -340,21 +363,11 @@ class SubModelStrategy(HeteroStrategy):
     injected aggregator), and where they keep more than one model, :meth:`sub_state`.
     """
 
-    width_flexible: ClassVar[bool] = True
-    depth_flexible: ClassVar[bool] = True
-    aggregators: ClassVar[tuple[str, ...]] = COVERAGE_AGGREGATORS
-    """Run-config ``aggregator`` values the scheme works with."""
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         from models.slicing import family_layout, full_spec
 
-        if self.aggregator.name not in self.aggregators:
-            raise ConfigError(
-                f"run-config 'aggregator' is '{self.aggregator.name}', which '{self.name}' "
-                f"cannot use: it needs one that averages partial updates by coverage; use "
-                f"one of {', '.join(self.aggregators)}"
-            )
+        check_aggregator(self.name, self.aggregator.name, COVERAGE_AGGREGATORS)
 
         self.global_name = resolve_global(self.options.global_model, self.env.family)
         self.layout: Layout = family_layout(self.global_name)
@@ -401,7 +414,7 @@ class SubModelStrategy(HeteroStrategy):
 
     def slice_axes(self) -> tuple[bool, bool]:
         """Return whether nodes may cut their slices in width and in depth."""
-        return self.width_flexible, self.depth_flexible
+        return self.options.width_flexible, self.options.depth_flexible
 
     def known_archs(self) -> list[str]:
         """Return the slices a node may name in the handshake."""
