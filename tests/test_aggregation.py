@@ -120,11 +120,47 @@ def test_mean_std_negative_weight_raises() -> None:
 
 
 # ------------------------------------------------------------ streaming, in float32
-def test_float32_entries_are_summed_in_float32_and_integers_in_float64() -> None:
-    assert sum_dtype(np.dtype(np.float32)) == np.float32
-    assert sum_dtype(np.dtype(np.float16)) == np.float32
-    assert sum_dtype(np.dtype(np.float64)) == np.float64
-    assert sum_dtype(np.dtype(np.int64)) == np.float64
+def test_every_entry_is_summed_in_float64() -> None:
+    for dtype in (np.float16, np.float32, np.float64, np.int64):
+        assert sum_dtype(np.dtype(dtype)) == np.float64
+
+
+@pytest.mark.parametrize("clip_factor", [0.0, 3.0])
+def test_the_mean_is_the_same_bit_for_bit_whatever_order_the_updates_arrive_in(
+    clip_factor: float,
+) -> None:
+    import itertools
+
+    # Prepare: 5 example-weighted float32 updates of 20,000 values, one of them far off
+    # (clipped when bounded), and a bound known from a previous round
+    rng = np.random.default_rng(0)
+    ref = {"w": rng.standard_normal(20_000).astype(np.float32)}
+    updates = [
+        {"w": (ref["w"] + rng.standard_normal(20_000) * s).astype(np.float32)}
+        for s in (0.01, 0.02, 0.015, 0.5, 0.01)
+    ]
+    weights = [37.0, 12.0, 90.0, 45.0, 3.0]
+
+    def mean(order: tuple[int, ...]) -> np.ndarray:
+        acc = MeanAccumulator(ref, clip_factor=clip_factor)
+        for i in order:
+            acc.add(updates[i], weights[i])
+        return acc.result()["w"]
+
+    # Execute: all 120 orders
+    results = [mean(order) for order in itertools.permutations(range(5))]
+
+    # Assert: float32 sums differed in the last bits between orders; float64 sums do not
+    for out in results[1:]:
+        np.testing.assert_array_equal(out, results[0])
+    first = np.zeros(20_000, np.float32)
+    for order in ((0, 1, 2, 3, 4), (4, 3, 2, 1, 0)):
+        total = np.zeros(20_000, np.float32)
+        for i in order:
+            total += np.float32(weights[i]) * updates[i]["w"]
+        if order[0] == 0:
+            first = total
+    assert not np.array_equal(first, total), "float32 sums would depend on the order"
 
 
 def test_float32_weighted_mean_by_hand() -> None:
@@ -137,7 +173,7 @@ def test_float32_weighted_mean_by_hand() -> None:
     acc.add({"w": np.array([3.0, 5.0, 0.0], np.float32)}, 6.0)
     out = acc.result()
 
-    # Assert: exact in float32, the running sum was float32 (no float64 copy)
+    # Assert: exact in float32 (summed in float64, rounded once)
     assert out["w"].dtype == np.float32
     np.testing.assert_array_equal(out["w"], np.array([2.5, 4.25, -1.0], np.float32))
     assert acc.result() is out  # taken once, in place
@@ -218,8 +254,10 @@ def test_float32_error_of_1000_clients_is_far_below_the_update() -> None:
 def test_streaming_memory_is_one_model_not_one_per_client() -> None:
     """tracemalloc peak while folding 200 updates that arrive one at a time.
 
-    Deterministic: it counts numpy's buffers (the sums and the one update alive),
-    not time. Buffering would need 200 models, float64 temporaries 3; the bound is 1.5.
+    Deterministic: it counts numpy's buffers, not time. The float64 sums (two models
+    of float32) are allocated before; while folding only the one update alive counts
+    (bound 1.5 models; buffering would need 200, a float64 temporary per update 3),
+    and the result adds the float32 model it returns (bound 2.5 in all).
     """
     # Prepare
     shapes = {"a": (100, 500), "b": (40_000,), "c": (10_000,)}
@@ -236,18 +274,20 @@ def test_streaming_memory_is_one_model_not_one_per_client() -> None:
             update = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
             acc.add(update, 1.0 + i % 7)
             del update
+        folding = tracemalloc.get_traced_memory()[1]
         acc.result()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
 
-    # Assert: the sums were allocated before; one update alive, no float64 temporaries
-    assert peak < 1.5 * model
+    # Assert: one update alive while folding, no float64 temporaries; then the result
+    assert folding < 1.5 * model
+    assert peak < 2.5 * model
 
 
 def test_a_lone_update_comes_back_bit_for_bit_whatever_its_weight() -> None:
     # in float32, -0.218791663646698 * 37 / 37 is not -0.218791663646698 (checked below);
-    # weights are taken relative to the first, so a lone update is added with factor 1
+    # summed in float64 and rounded once, the lone update comes back exactly
     value = np.array([0.1, -0.218791663646698, 3e-8], np.float32)
     assert ((value * np.float32(37)) / np.float32(37))[1] != value[1]
     out = mean_of([{"w": value}], [37.0])

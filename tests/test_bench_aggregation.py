@@ -80,7 +80,8 @@ def test_a_tiny_run_writes_the_table(bench: ModuleType, tmp_path: Path) -> None:
         and len(cells) == 6
         and cells[2].isdigit()
     }
-    assert rows[("mean, streaming", 30)] < 3.0
+    # float64 sums (2 models of float32) + the update alive + the float32 result
+    assert rows[("mean, streaming", 30)] < 4.2
     assert rows[("weighted_average, buffered", 10)] > 10.0  # every update held, float64
     assert rows[("FedFA scalable, streaming", 12)] < 1.2 * rows[("FedFA scalable, streaming", 4)]
 

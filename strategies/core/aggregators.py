@@ -14,10 +14,11 @@ prefix) or leave entries out. :meth:`Accumulator.add` takes, per entry, the inde
 replies that cover it, and an entry nobody covered keeps the reference (current
 global) value.
 
-``mean`` is the example-weighted mean (FedAvg), folded in place in the entries' own
-float32 precision (:func:`add_scaled`, :func:`sum_dtype`; float64 only for integer
-entries and the scalar weight sums): ``benchmarks/aggregation.py`` measures it
-against torch's in-place accumulation and its peak memory for 1,000 updates.
+``mean`` is the example-weighted mean (FedAvg), folded in place into float64 sums
+(:func:`add_scaled`, :func:`sum_dtype`), so that the same seed gives the same
+numbers whatever order the replies arrive in: ``benchmarks/aggregation.py``
+measures it against torch's in-place float32 accumulation and its peak memory for
+1,000 updates.
 Robust aggregators register here under their own names (:func:`register_aggregator`);
 the order-statistic ones buffer the round (:mod:`strategies.core.robust`).
 """
@@ -442,30 +443,39 @@ def update_distances(
 
 
 def sum_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """Return the dtype an entry of ``dtype`` is summed in.
+    """Return the dtype an entry of ``dtype`` is summed in: float64, whatever the entry.
 
-    Floating entries are summed in their own precision, at least float32 (float16
-    in float32): ``tests/test_aggregation.py`` measures the float32 error of 1,000
-    example-weighted updates against a float64 sum and finds it far inside what
-    training notices. Integer and boolean entries (``num_batches_tracked``) are
-    summed in float64, which holds every int32 step count exactly.
+    Float32 sums folded in arrival order are not associative, so the same seed gave
+    other numbers when replies arrived in another order (a few in the third digit of
+    the demo). Summed in float64 the order moves a sum by about 1e-16 of itself and
+    the float32 result it is rounded to almost never (``tests/test_aggregation.py``
+    folds the same updates in every order and compares bit for bit). The sums stay
+    one per entry (O(model)); ``benchmarks/aggregation.py`` measures what the wider
+    accumulator costs against torch's in-place float32 sum. Integer and boolean
+    entries (``num_batches_tracked``) are summed in float64 too, which holds every
+    int32 step count exactly.
     """
-    if np.issubdtype(dtype, np.floating):
-        return np.promote_types(dtype, np.float32)
     return np.dtype(np.float64)
 
 
 def add_scaled(total: np.ndarray, value: np.ndarray, weight: float) -> None:
     """Add ``weight * value`` to ``total`` in place, without a temporary of ``value``'s size.
 
-    ``total`` may be a view (a slice of a larger sum). Floating values of
-    ``total``'s dtype go through torch's fused in-place ``add_(value, alpha=weight)``
-    on the same memory (one pass, multi-threaded); anything else (integer entries,
-    other dtypes, layouts torch cannot view) through numpy with one temporary.
+    ``total`` may be a view (a slice of a larger sum). Float32 or float64 values
+    into a float32 or float64 total go through torch's fused in-place
+    ``add_(value, alpha=weight)`` on the same memory (one pass, multi-threaded; a
+    float32 value is widened element by element, no copy); anything else (integer
+    entries, other dtypes, layouts torch cannot view) through numpy with one
+    temporary.
     """
     if value.shape != total.shape:
         raise AggregationError(f"cannot add {value.shape} to {total.shape}")
-    if value.dtype == total.dtype and value.dtype in _TORCH_DTYPES and value.size > 0:
+    if (
+        value.dtype in _TORCH_DTYPES
+        and total.dtype in _TORCH_DTYPES
+        and value.dtype.itemsize <= total.dtype.itemsize
+        and value.size > 0
+    ):
         try:
             if value.flags.writeable:
                 source = torch.from_numpy(value)
@@ -565,8 +575,7 @@ class Coverage:
     """Per entry, the weight that covers each element: a float, or an array once partial.
 
     Whole-entry weights stay one float64 scalar per entry; an entry that receives a
-    partial update gets a coverage array in the entry's :func:`sum_dtype` (float32
-    sums of 1,000 weights are checked in ``tests/test_aggregation.py``).
+    partial update gets a float64 coverage array (:func:`sum_dtype`).
     """
 
     def __init__(self, reference: Mapping[str, np.ndarray]) -> None:
@@ -619,11 +628,11 @@ class Coverage:
 class MeanAccumulator:
     """Weighted mean with per-entry coverage, folded in place, optionally bounded.
 
-    Every update is added into one running sum per entry as it arrives, in the
-    entry's own floating precision (:func:`sum_dtype`: float32 for float32 models,
-    float64 for integer entries), with no temporary of the model's size
-    (:func:`add_scaled`); the weights are summed in float64. Memory: one sum per
-    model entry, plus a coverage array for entries that received partial updates.
+    Every update is added into one float64 running sum per entry as it arrives
+    (:func:`sum_dtype`: the result does not depend on the arrival order), with no
+    temporary of the model's size on the compiled path (:func:`add_scaled` otherwise);
+    the weights are summed in float64. Memory: one sum per model entry, plus a
+    coverage array for entries that received partial updates.
 
     With ``clip_factor > 0`` every update's L2 distance from the reference (the
     current global weights) is clipped to a bound, so that no node can move the
@@ -751,7 +760,6 @@ class MeanAccumulator:
         self._buffer: list[_Buffered] = []
         self._clips: list[Clip] = []
         self._result: dict[str, np.ndarray] | None = None
-        self._unit: float | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._own: dict[str, np.ndarray] | None = None
         """The direction of the update being added, when it came with its own."""
@@ -807,11 +815,6 @@ class MeanAccumulator:
                 if k in self.direction
             ):
                 self._own = own
-        # weights relative to the first one: a lone update, or equal weights, add with
-        # factor 1 and divide by a whole count, so they come back exactly in float32
-        if self._unit is None:
-            self._unit = w
-        w /= self._unit
         position = self._count
         self._count += 1
         if self.max_distance is None and self.clip_factor <= 0:

@@ -187,19 +187,19 @@ def measure_fold(
         or base.dtype != dtype
         or value.ndim != 1
         or base.shape != value.shape
-        or (total is not None and (total.dtype != dtype or total.shape != value.shape))
+        or (total is not None and (total.dtype not in DTYPES or total.shape != value.shape))
         or (direction is not None and (direction.dtype != dtype or direction.shape != value.shape))
     ):
         return None
     fold = limit is not None and total is not None
     d = direction if direction is not None else value
-    t = total if total is not None and fold else np.empty(0, dtype)  # never written
+    t = total if total is not None and fold else np.empty(0, np.float64)  # never written
     done, square, dot = kernel(
         value,
         base,
         d,
         t,
-        dtype.type(weight),
+        t.dtype.type(weight),
         float(limit) if limit is not None else -1.0,
         float(square),
         direction is not None,
@@ -234,7 +234,7 @@ def correct(
         or base.dtype != dtype
         or base.size != value.size
         or not base.flags.c_contiguous
-        or total.dtype != dtype
+        or total.dtype not in DTYPES
         or total.shape != value.shape
         or not total.flags.c_contiguous
         or not 0 <= done <= value.size
@@ -245,9 +245,9 @@ def correct(
         base.reshape(-1),
         total,
         int(done),
-        dtype.type(back),
-        dtype.type(rest),
-        dtype.type(-back),
+        total.dtype.type(back),
+        total.dtype.type(rest),
+        total.dtype.type(-back),
     )
     return True
 
