@@ -335,3 +335,55 @@ def test_every_server_class_takes_its_name_from_the_registration() -> None:
         classes = [scheme.server] if isinstance(scheme.server, type) else []
         for cls in [*classes, *scheme.server_classes]:
             assert cls.name == name, (cls, name)  # type: ignore[attr-defined]
+
+
+# -------------------------------------------------------------- the README demo
+def test_the_readme_block_keeps_what_a_seeded_run_reproduces(tmp_path: Path) -> None:
+    import json
+
+    from tessera.report import DEMO_BEGIN, DEMO_END, current_block, readme_block, replace_block
+
+    # Prepare: a finished 1-round run with two nodes listed out of partition order
+    nodes = [
+        {"node": 9, "partition_id": 1, "num_train": 50, "arch": "cnn-5", "profile": {"name": "b"}},
+        {"node": 3, "partition_id": 0, "num_train": 40, "arch": "cnn-4", "profile": {"name": "a"}},
+    ]
+    config = {"scheme": "fedavg", "run_config": {"dataset": "digits", "num-server-rounds": 1}}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "nodes": nodes}))
+    record = {
+        "round": 1,
+        "num_ok": 2,
+        "num_sent": 2,
+        "num_rejected": 0,
+        "num_failed": 0,
+        "personal_accuracy_mean": 0.5,
+        "personal_accuracy_std": 0.25,
+        "global_accuracy": 0.75,
+        "bytes_up_total": 2_000_000,
+        "bytes_down_total": 1_000_000,
+        "round_seconds": 12.34,
+    }
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    summary = {"final_personal_accuracy_by_arch": {"cnn-5": 0.6, "cnn-4": 0.4}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+
+    # Execute
+    block = readme_block(tmp_path)
+    readme = f"intro\n{DEMO_BEGIN}\nold\n{DEMO_END}\nrest\n"
+    written = replace_block(readme, block)
+
+    # Assert: partitions in order, no node ids, no seconds; the block round-trips
+    lines = block.splitlines()
+    assert lines[1] == "strategy fedavg, dataset digits, 2 nodes"
+    assert lines[2].startswith("  partition 0: profile a, 40 train samples -> cnn-4")
+    assert "node 9" not in block and "12.34" not in block
+    assert "0.500±0.250" in block and "0.750" in block
+    assert lines[-3:] == [
+        "  final personalised accuracy on cnn-4: 0.400",
+        "  final personalised accuracy on cnn-5: 0.600",
+        "```",
+    ]
+    assert current_block(written) == block
+    assert written.startswith("intro\n") and written.endswith(f"{DEMO_END}\nrest\n")
+    with pytest.raises(ValueError, match="demo:begin"):
+        replace_block("no markers", block)

@@ -18,21 +18,26 @@ from tests.conftest import make_grid, simulate
 
 
 @pytest.mark.slow
-def test_fedavg_groups_simulation_picks_different_architectures(tmp_path: Path) -> None:
-    # Prepare
-    run_config = (
-        "strategy='fedavg-groups' num-server-rounds=2 local-epochs=1 "
-        "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
+def test_the_main_job_prints_what_the_readme_shows_and_picks_different_architectures(
+    tmp_path: Path,
+) -> None:
+    from tessera.report import current_block, readme_block
+
+    # Execute: the README's demo, as `bash scripts/simulate.sh` runs it (default config)
+    result = simulate(tmp_path, "", nodes=6)
+
+    # Assert: the README's block is this run's, to the digit
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert readme_block(result) == current_block(readme), (
+        "the README's demo block is stale: run `bash scripts/readme-demo.sh` and commit "
+        "README.md\n" + readme_block(result)
     )
-    # Execute
-    result = simulate(tmp_path, run_config)
-    # Assert
     rounds = [json.loads(line) for line in (result / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rounds] == [1, 2]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]
     archs = {c["arch"] for r in rounds for c in r["clients"]}
     assert len(archs) >= 2, archs
     for r in rounds:
-        assert r["num_ok"] == 3 and r["num_rejected"] == 0
+        assert r["num_ok"] == 6 and r["num_rejected"] == 0
         for c in r["clients"]:
             assert c["bytes_up"] > 0 and c["bytes_down"] > 0
             assert 0.0 <= c["test_accuracy"] <= 1.0
@@ -40,7 +45,7 @@ def test_fedavg_groups_simulation_picks_different_architectures(tmp_path: Path) 
     profiles = {n["profile"]["name"] for n in config["nodes"]}
     assert profiles == {"cpu-small", "cpu-large", "jetson-orin"}
     summary = json.loads((result / "summary.json").read_text())
-    assert summary["rounds"] == 2
+    assert summary["rounds"] == 5
     for png in ("accuracy.png", "bytes.png", "label_distribution.png"):
         assert (result / png).stat().st_size > 1000
 
