@@ -6,7 +6,7 @@ local budget (epochs, batch size, SGD settings), each run a real Flower simulati
 (``scripts/simulate.sh``: SuperLink, simulation engine, Ray backend). Every
 comparison also runs ``local`` (each client alone: the floor) and trains the fleet's
 architectures centrally on the pooled client training data with the same budget
-(the ceiling). The protocol is written down in ``docs/protocol.md``.
+(the ceiling). The protocol is written down in ``docs/pages/protocol.md``.
 
 Results go to one folder (``--out``, default ``results/compare/<dataset>``):
 
@@ -27,7 +27,7 @@ splits of that seed.
 
 Usage::
 
-    .venv/bin/python -m benchmarks.compare                 # the README leaderboard
+    .venv/bin/python -m benchmarks.compare        # the leaderboard (docs/pages/leaderboard.md)
     .venv/bin/python -m benchmarks.compare --schemes fedavg-groups,felo \\
         --partitionings dirichlet:0.5 --seeds 0 --rounds 5 --dataset npz:my.npz
     .venv/bin/python -m benchmarks.compare --report-only   # tables and plots again
@@ -91,7 +91,7 @@ SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
     "nefl": SUB_MODEL_NORM,
     "fedfa": SUB_MODEL_NORM,
     # eta0 chosen on a held-out seed (7) among the paper's 0.001, 0.1, 1.0 by
-    # benchmarks/fedhenn.py (README, FedHeNN section); the run-config default stays
+    # benchmarks/fedhenn.py (docs/pages/fedhenn.md); the run-config default stays
     # the paper's 0.001.
     "fedhenn": {"eta0": 0.1},
 }
@@ -739,7 +739,7 @@ def _header(comparison: Comparison) -> str:
         f"(train-time-budget {s.train_time_budget} s), {s.rounds} rounds of "
         f"{s.local_epochs} local epoch(s), batch {s.batch_size}, SGD lr {s.learning_rate} "
         f"momentum {s.momentum} weight decay {s.weight_decay}. Accuracy in percent, "
-        "mean ± std over seeds (population std). Protocol: docs/protocol.md.\n\n"
+        "mean ± std over seeds (population std). Protocol: docs/pages/protocol.md.\n\n"
     )
 
 

@@ -15,7 +15,7 @@ seeds. Every run is ``scripts/simulate.sh`` (Flower simulation, Ray backend).
 Also: bytes per client and round (measured payloads), FedHeNN's kernel payload
 against naive ``n x n`` float32 kernels, and the share of local time spent on the
 alignment. ``eta0`` defaults to 0.1, chosen on a held-out seed (7) among the paper's
-0.001, 0.1 and 1.0 (see the README).
+0.001, 0.1 and 1.0 (see docs/pages/fedhenn.md).
 
 Usage::
 

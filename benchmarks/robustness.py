@@ -139,7 +139,7 @@ DEFAULTS: dict[str, str] = {
     "fractions": "0.1,0.2,0.3",
     "aggregators": ",".join(dict.fromkeys(FEDAVG_AGGREGATORS + FELO_MERGES)),
 }
-"""Defaults of the list flags (the README run; see ``--help``)."""
+"""Defaults of the list flags (the run in docs/pages/robustness.md; see ``--help``)."""
 
 
 # -------------------------------------------------------------------------- part A

@@ -23,6 +23,6 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 echo "setup: installing dependencies into .venv (first run takes a few minutes)"
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[dev,ensemble]"
+.venv/bin/python -m pip install --quiet -e ".[dev,ensemble,docs]"
 echo "$want" > "$stamp"
 echo "setup: done ($(.venv/bin/python -c 'import flwr, torch; print(f"flwr {flwr.__version__}, torch {torch.__version__}")'))"

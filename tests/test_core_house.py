@@ -166,13 +166,20 @@ def test_data_key_covers_labels_and_inputs() -> None:
 
 
 def test_the_server_orders_own_data_nodes_by_their_key_not_their_node_id(
-    run_config: RunConfigFactory, digits_bundle: Any
+    run_config: RunConfigFactory, digits_bundle: Any, tmp_path: Path
 ) -> None:
     from server_app.app import build_server
 
     # Prepare: the same three devices (partition -1, keys 30, 10, 20) under two sets
     # of node ids, as after a restart; fraction-train picks 2 of 3
-    config = run_config({"strategy": "fedavg", "fraction-train": 0.5, "min-train-nodes": 1})
+    config = run_config(
+        {
+            "strategy": "fedavg",
+            "fraction-train": 0.5,
+            "min-train-nodes": 1,
+            "output-dir": str(tmp_path),
+        }
+    )
     picks = []
     for ids in ((1, 2, 3), (900, 500, 100)):
         server = build_server(config, bundle=digits_bundle).runner
@@ -387,3 +394,34 @@ def test_the_readme_block_keeps_what_a_seeded_run_reproduces(tmp_path: Path) -> 
     assert written.startswith("intro\n") and written.endswith(f"{DEMO_END}\nrest\n")
     with pytest.raises(ValueError, match="demo:begin"):
         replace_block("no markers", block)
+
+
+# ------------------------------------------------------------------ the docs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_scheme_keys_page_is_what_the_code_generates() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scheme_table", ROOT / "scripts/scheme_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    page = (ROOT / "docs/pages/scheme-keys.md").read_text()
+    assert page == module.render(module.default_run_config()), (
+        "docs/pages/scheme-keys.md is stale: run `.venv/bin/python scripts/scheme_table.py "
+        "--write docs/pages/scheme-keys.md`"
+    )
+
+
+def test_the_readme_is_an_entrance_whose_links_resolve() -> None:
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if not link.startswith(("http://", "https://"))]
+    assert local, "the README links to the docs pages"
+    for link in local:
+        assert (ROOT / link).exists(), f"README links to {link}, which does not exist"

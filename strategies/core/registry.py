@@ -77,7 +77,7 @@ class Scheme(Generic[OptionsT]):
     default_family : str
         The architecture family used when run-config ``model-family`` is empty.
     description : str
-        One line for ``--help`` style listings and the README.
+        One line for listings and the docs' generated scheme table.
     family_of : Callable[[OptionsT], str] or None
         For a scheme whose family depends on its options (``local`` with
         ``local-like``): the family given the parsed options; None: always

@@ -7,5 +7,5 @@
   on the pooled client training data with the same budget (the ceiling).
 - :mod:`tessera.compare.report`: the results folder's CSV, Markdown tables and plots.
 
-The protocol itself is written down in ``docs/protocol.md``.
+The protocol itself is written down in ``docs/pages/protocol.md``.
 """

@@ -2,7 +2,7 @@
 
 Pure functions of a run's round records (``metrics.jsonl``, one dict per round as
 :class:`strategies.core.strategy.HeteroStrategy` writes them) and of finished cells; no
-Flower, no torch. ``docs/protocol.md`` says what each field means.
+Flower, no torch. ``docs/pages/protocol.md`` says what each field means.
 """
 
 from __future__ import annotations
