@@ -16,19 +16,16 @@ from strategies.submodel import (
     ScalableAccumulator,
     SubModelError,
     SubModelSpec,
-    coverage_average,
     coverage_index,
     extract,
     graft,
-    layer_norms,
     roll_channels,
-    scalable_aggregate,
-    scaling_factors,
     section_depths,
     sub_channels,
     sub_shape,
     trimmed_norm,
 )
+from tests.oracles import coverage_average, layer_norms, scalable_aggregate, scaling_factors
 
 LAYOUT = Layout(
     keep_inputs=frozenset({"stem.weight"}),

@@ -10,10 +10,11 @@ schemes (HeteroFL, FlexiFed, NeFL, FedFA):
   the channel prefix ``[:c_out, :c_in]``; also returns the coverage index;
 - :func:`graft`: FedFA Algorithm 2, repeat each section's last block up to the
   global depth;
-- :func:`coverage_average` and :func:`scalable_aggregate` (FedFA Algorithm 1,
-  lines 12-22, streamed by :class:`ScalableAccumulator`; the reading of its
-  ambiguous parts, and how its scaling is made a bound (:func:`reference_norm`,
-  :func:`effective_norm`), are in :mod:`~strategies.submodel.aggregate`).
+- :class:`ScalableAccumulator`: FedFA Algorithm 1, lines 12-22, streamed (the
+  reading of its ambiguous parts, and how its scaling is made a bound
+  (:func:`reference_norm`, :func:`effective_norm`), are in
+  :mod:`~strategies.submodel.aggregate`; the list form it is tested against is a
+  test oracle, ``tests/oracles.py``).
 """
 
 from models.spec import (
@@ -27,13 +28,8 @@ from models.spec import (
 )
 from strategies.submodel.aggregate import (
     ScalableAccumulator,
-    coverage_average,
     effective_norm,
-    layer_norms,
     reference_norm,
-    scalable_aggregate,
-    scale_state,
-    scaling_factors,
     trimmed_norm,
 )
 from strategies.submodel.extract import coverage_index, extract, prefix_index, roll_channels
@@ -44,18 +40,13 @@ __all__ = [
     "ScalableAccumulator",
     "SubModelError",
     "SubModelSpec",
-    "coverage_average",
     "coverage_index",
     "effective_norm",
     "extract",
     "graft",
-    "layer_norms",
     "prefix_index",
     "reference_norm",
     "roll_channels",
-    "scalable_aggregate",
-    "scale_state",
-    "scaling_factors",
     "section_depths",
     "shapes_of",
     "sub_channels",

@@ -6,7 +6,7 @@ device fits). On the server every reply is first *grafted* back to the global de
 global number of blocks, :func:`~strategies.submodel.graft`), so every global block
 receives every client's contribution ("complete aggregation"). The grafted slices
 are then combined by *scalable aggregation* (Algorithm 1, lines 12-22,
-:func:`~strategies.submodel.scalable_aggregate`): per layer, each client's update is
+:class:`~strategies.submodel.ScalableAccumulator`): per layer, each client's update is
 scaled to the cohort's typical norm, then averaged by coverage.
 
 That scaling is FedFA's defence against a client whose update is out of scale, and
