@@ -39,7 +39,8 @@ import logging
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,27 @@ def streaming_mean(reference: Model, updates: Sequence[Model], weights: Sequence
     return accumulator.result()
 
 
+@contextmanager
+def float32_sums() -> Iterator[None]:
+    """Sum float32 entries in float32 inside the block (before commit c0a7720).
+
+    Order-dependent: what the float64 sums replaced so that a seeded run reproduces
+    whatever order replies arrive in; measured side by side to show what that costs.
+    """
+    from strategies.core import aggregators
+
+    before = aggregators.sum_dtype
+    aggregators.sum_dtype = lambda dtype: (  # type: ignore[assignment]
+        np.promote_types(dtype, np.float32)
+        if np.issubdtype(dtype, np.floating)
+        else np.dtype(np.float64)
+    )
+    try:
+        yield
+    finally:
+        aggregators.sum_dtype = before
+
+
 def bounded_mean(
     reference: Model,
     updates: Sequence[Model],
@@ -159,6 +181,8 @@ class Throughput:
     buffered_gbs: float
     max_difference: float
     clipped: int
+    ours32_gbs: float = float("nan")
+    bounded32_gbs: float = float("nan")
 
     @property
     def ratio(self) -> float:
@@ -219,9 +243,18 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
     # interleaved (torch, ours, bounded, buffered, torch, ...) so that each repeat
     # compares them under the same machine state; the best of each is kept
     torch_s = ours_s = bounded_s = bounded_torch_s = buffered_s = float("inf")
+    ours32_s = bounded32_s = float("inf")
 
     def bounded_torch() -> None:
         with fused.disabled():
+            bounded_mean(global_model, near, weights, scale, direction)
+
+    def ours32() -> None:
+        with float32_sums():
+            streaming_mean(reference, updates, weights)
+
+    def bounded32() -> None:
+        with float32_sums():
             bounded_mean(global_model, near, weights, scale, direction)
 
     for _ in range(repeats):
@@ -232,6 +265,8 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
             best_seconds(lambda: bounded_mean(global_model, near, weights, scale, direction), 1),
         )
         bounded_torch_s = min(bounded_torch_s, best_seconds(bounded_torch, 1))
+        ours32_s = min(ours32_s, best_seconds(ours32, 1))
+        bounded32_s = min(bounded32_s, best_seconds(bounded32, 1))
         buffered_s = min(
             buffered_s, best_seconds(lambda: buffered_weighted_average(updates, weights), 1)
         )
@@ -245,6 +280,8 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
         buffered_gbs=folded / buffered_s,
         max_difference=diff,
         clipped=n_clipped,
+        ours32_gbs=folded / ours32_s,
+        bounded32_gbs=folded / bounded32_s,
     )
 
 
@@ -420,10 +457,14 @@ def table(throughput: Throughput, memories: Sequence[Memory]) -> str:
         "| aggregation | GB/s | / torch in place |",
         "|---|---:|---:|",
         f"| torch in place (reference) | {t.torch_gbs:.2f} | 1.00 |",
-        f"| ours: `mean` accumulator, streaming float32 | {t.ours_gbs:.2f} | {t.ratio:.2f} |",
+        f"| ours: `mean` accumulator, streaming, float64 sums | {t.ours_gbs:.2f} | {t.ratio:.2f} |",
         f"| ours: default bounded `mean` with direction check (bound known; {t.clipped} of "
-        f"{t.clients} clipped) | "
+        f"{t.clients} clipped), float64 sums | "
         f"{t.bounded_gbs:.2f} | {t.bounded_ratio:.2f} |",
+        f"| the two above with float32 sums (order-dependent, before c0a7720): `mean` | "
+        f"{t.ours32_gbs:.2f} | {t.ours32_gbs / t.torch_gbs:.2f} |",
+        f"| ... default bounded `mean`, float32 sums | "
+        f"{t.bounded32_gbs:.2f} | {t.bounded32_gbs / t.torch_gbs:.2f} |",
         f"| the same without numba (torch: subtract, two dot products, fold) | "
         f"{t.bounded_torch_gbs:.2f} | {t.bounded_torch_gbs / t.torch_gbs:.2f} |",
         f"| old `weighted_average`, buffered float64 | {t.buffered_gbs:.2f} | "

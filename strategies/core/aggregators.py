@@ -311,7 +311,7 @@ def measure_and_fold(
         v is None
         or b is None
         or v.dtype != b.dtype
-        or (fold and (t is None or t.dtype != v.dtype))
+        or (fold and (t is None or t.dtype.itemsize < v.dtype.itemsize))
         or (direction is not None and (d is None or d.dtype != v.dtype))
     ):
         # other dtypes and layouts: measure in float64 blocks, fold nothing
@@ -351,7 +351,9 @@ def measure_and_fold(
             block = _block_square(_flat(value)[start:stop], _flat(base)[start:stop])
         square += block
         if fold and done == start and square <= limit:  # type: ignore[operator]
-            t[start:stop].add_(v[start:stop], alpha=weight)  # type: ignore[index]
+            # a float32 block is widened once (a block-sized temporary) and added in
+            # the sum's float64: torch's mixed-dtype add_ casts element by element
+            t[start:stop].add_(v[start:stop].to(t.dtype), alpha=weight)  # type: ignore[index,union-attr]
             done = stop
     return done, square, dot
 
@@ -461,8 +463,10 @@ def sum_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 def add_scaled(total: np.ndarray, value: np.ndarray, weight: float) -> None:
     """Add ``weight * value`` to ``total`` in place, without a temporary of ``value``'s size.
 
-    ``total`` may be a view (a slice of a larger sum). Float32 or float64 values
-    into a float32 or float64 total go through torch's fused in-place
+    ``total`` may be a view (a slice of a larger sum). A float32 value into a
+    float64 sum takes the compiled loop (:func:`strategies.core.fused.fold`) when
+    both are contiguous; otherwise float32 or float64 values into a float32 or
+    float64 total go through torch's fused in-place
     ``add_(value, alpha=weight)`` on the same memory (one pass, multi-threaded; a
     float32 value is widened element by element, no copy); anything else (integer
     entries, other dtypes, layouts torch cannot view) through numpy with one
@@ -470,6 +474,14 @@ def add_scaled(total: np.ndarray, value: np.ndarray, weight: float) -> None:
     """
     if value.shape != total.shape:
         raise AggregationError(f"cannot add {value.shape} to {total.shape}")
+    if (
+        value.dtype != total.dtype
+        and value.size > 0
+        and value.flags.c_contiguous
+        and total.flags.c_contiguous
+        and fused.fold(_flat(value), _flat(total), weight)
+    ):
+        return
     if (
         value.dtype in _TORCH_DTYPES
         and total.dtype in _TORCH_DTYPES
@@ -484,7 +496,17 @@ def add_scaled(total: np.ndarray, value: np.ndarray, weight: float) -> None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)
                     source = torch.from_numpy(value)
-            torch.from_numpy(total).add_(source, alpha=weight)
+            target = torch.from_numpy(total)
+            if source.dtype == target.dtype:
+                target.add_(source, alpha=weight)
+                return
+            if not (source.is_contiguous() and target.is_contiguous()):
+                target.add_(source.to(target.dtype), alpha=weight)  # a strided view: rare
+                return
+            flat_source, flat_target = source.view(-1), target.view(-1)
+            for start in range(0, flat_source.numel(), CHUNK):  # widened block by block
+                stop = start + CHUNK
+                flat_target[start:stop].add_(flat_source[start:stop].to(target.dtype), alpha=weight)
             return
         except (TypeError, ValueError, RuntimeError):
             pass  # negative strides, foreign byte order: numpy below

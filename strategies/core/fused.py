@@ -43,13 +43,14 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 _Kernel = Callable[..., tuple[int, float, float]]
 _Correct = Callable[..., None]
+_Fold = Callable[..., None]
 
 _OFF = False
 """Set inside :func:`disabled`."""
 
 
 @cache
-def _compile() -> tuple[_Kernel, _Correct] | None:
+def _compile() -> tuple[_Kernel, _Correct, _Fold] | None:
     """Compile the loops with numba, or return ``None`` if numba cannot be imported."""
     if os.environ.get("TESSERA_FUSED", "1").strip() in {"0", "false", "no", "off"}:
         return None
@@ -141,13 +142,17 @@ def _compile() -> tuple[_Kernel, _Correct] | None:
         return done, square, dot
 
     @njit(fastmath=flags, nogil=True, cache=True)
+    def fold(v: Any, t: Any, w: Any) -> None:
+        _fold(v, t, w)
+
+    @njit(fastmath=flags, nogil=True, cache=True)
     def correct(v: Any, b: Any, t: Any, done: int, back: Any, rest: Any, base: Any) -> None:
         for i in range(done):
             t[i] += back * v[i] + base * b[i]
         for i in range(done, v.size):
             t[i] += rest * v[i] + base * b[i]
 
-    return measure_fold, correct
+    return measure_fold, correct, fold
 
 
 def available() -> bool:
@@ -249,6 +254,30 @@ def correct(
         total.dtype.type(rest),
         total.dtype.type(-back),
     )
+    return True
+
+
+def fold(value: np.ndarray, total: np.ndarray, weight: float) -> bool:
+    """Add ``weight * value`` to ``total`` in one compiled pass; ``False`` when it does not apply.
+
+    For a float32 update into a float64 sum (what every plain fold is, see
+    :func:`strategies.core.aggregators.sum_dtype`), where torch's mixed-dtype
+    ``add_`` casts element by element at a fraction of the speed. Flat contiguous
+    arrays of :data:`DTYPES` only.
+    """
+    compiled = None if _OFF else _compile()
+    if (
+        compiled is None
+        or value.dtype not in DTYPES
+        or total.dtype not in DTYPES
+        or value.ndim != 1
+        or total.shape != value.shape
+        or not value.flags.c_contiguous
+        or not total.flags.c_contiguous
+        or not total.flags.writeable
+    ):
+        return False
+    compiled[2](value, total, total.dtype.type(weight))
     return True
 
 
