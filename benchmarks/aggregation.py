@@ -7,7 +7,7 @@ Three measurements, each printed as a Markdown table and written to
    of ``--params`` parameters (a few entries, like a model): (a) the reference, a
    streaming float32 accumulation with torch in place (``acc.add_(t, alpha=w)``
    per entry, then one division); (b) ours, the ``mean`` aggregator the strategies
-   use (:class:`strategies.core.aggregators.MeanAccumulator`); (c) the removed buffered
+   use (:class:`strategies.core.mean.MeanAccumulator`); (c) the removed buffered
    ``weighted_average`` (float64 temporaries, kept here as the baseline). Each is
    timed ``--repeats`` times, interleaved (best kept); GB/s counts the client-update bytes
    folded. Target: ours / torch >= 0.8.
@@ -57,11 +57,11 @@ from strategies.core.aggregators import (  # noqa: E402
     AccumulatorReport,
     AggregatorSettings,
     Index,
-    MeanAggregator,
     get_aggregator,
     list_aggregators,
-    update_distances,
 )
+from strategies.core.mean import MeanAggregator  # noqa: E402
+from strategies.core.measure import update_distances  # noqa: E402
 from strategies.submodel.aggregate import ScalableAccumulator  # noqa: E402
 
 log = logging.getLogger("bench.aggregation")
@@ -124,10 +124,10 @@ def float32_sums() -> Iterator[None]:
     Order-dependent: what the float64 sums replaced so that a seeded run reproduces
     whatever order replies arrive in; measured side by side to show what that costs.
     """
-    from strategies.core import aggregators
+    from strategies.core import sums
 
-    before = aggregators.sum_dtype
-    aggregators.sum_dtype = lambda dtype: (  # type: ignore[assignment]
+    before = sums.sum_dtype
+    sums.sum_dtype = lambda dtype: (  # type: ignore[assignment]
         np.promote_types(dtype, np.float32)
         if np.issubdtype(dtype, np.floating)
         else np.dtype(np.float64)
@@ -135,7 +135,7 @@ def float32_sums() -> Iterator[None]:
     try:
         yield
     finally:
-        aggregators.sum_dtype = before
+        sums.sum_dtype = before
 
 
 def bounded_mean(

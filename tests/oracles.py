@@ -1,6 +1,6 @@
 """Test oracles: FedFA's scalable aggregation and the coverage average, on lists.
 
-The product folds replies as they arrive (:class:`~strategies.core.aggregators.MeanAccumulator`,
+The product folds replies as they arrive (:class:`~strategies.core.mean.MeanAccumulator`,
 :class:`~strategies.submodel.ScalableAccumulator`); these take the whole cohort at
 once, as FedFA's Algorithm 1 is written, and are what the streaming code is tested
 against (``tests/test_submodel.py``, ``tests/test_robust_submodel_ensemble.py``).
@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from strategies.core.aggregation import AggregationError
-from strategies.core.aggregators import Index, MeanAccumulator
+from strategies.core.aggregators import Index
+from strategies.core.mean import MeanAccumulator
 from strategies.submodel.aggregate import (
     TARGETS,
     Target,

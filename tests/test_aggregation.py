@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from strategies.core.aggregation import AggregationError, mean_std
-from strategies.core.aggregators import MeanAccumulator, add_scaled, sum_dtype
+from strategies.core.mean import MeanAccumulator
+from strategies.core.sums import add_scaled, sum_dtype
 
 
 def mean_of(updates: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:

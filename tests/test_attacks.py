@@ -21,14 +21,9 @@ from flwr.app import Array
 from client_app.attacks import AttackSpec, attack_for, flip_labels, install_omniscient
 from server_app.app import build_server
 from strategies.core.aggregation import AggregationError
-from strategies.core.aggregators import (
-    AccumulatorReport,
-    Index,
-    MeanAccumulator,
-    get_aggregator,
-    lower_median,
-)
+from strategies.core.aggregators import AccumulatorReport, Index, get_aggregator, lower_median
 from strategies.core.groups import GroupModels, NonFiniteStateError
+from strategies.core.mean import MeanAccumulator
 from strategies.fedhenn.kbar import average_kernel
 from strategies.felo.knowledge import ClassKnowledge, bound_knowledge, merge_knowledge
 from tessera.attacks import attack_assignment, attacked_partitions

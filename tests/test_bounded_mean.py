@@ -14,13 +14,9 @@ import pytest
 
 import strategies.core.aggregators as aggregators
 import strategies.core.fused as fused
-from strategies.core.aggregators import (
-    MeanAccumulator,
-    measure_and_fold,
-    next_scale,
-    reference_norms,
-    squared_distance,
-)
+import strategies.core.measure as measure
+from strategies.core.mean import MeanAccumulator, next_scale
+from strategies.core.measure import measure_and_fold, reference_norms, squared_distance
 from strategies.core.validation import weight_caps
 
 
@@ -36,7 +32,7 @@ def measure_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 def blocks(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
     """Measure (and fold) in blocks of ``size`` elements on either path."""
-    monkeypatch.setattr(aggregators, "CHUNK", size)
+    monkeypatch.setattr(measure, "CHUNK", size)
     monkeypatch.setattr(fused, "BLOCK", size)
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from flwr.app import Message, RecordDict
 
-from strategies.core.aggregators import MeanAggregator
 from strategies.core.context import RoundContext
+from strategies.core.mean import MeanAggregator
 from strategies.core.nodes import NodeInfo
 from strategies.core.validation import ClientReply
 from strategies.ensemble.weights import output_problem

@@ -13,13 +13,14 @@ import pytest
 from flwr.app import ConfigRecord, RecordDict
 
 from strategies.core.aggregation import AggregationError
-from strategies.core.aggregators import MeanAccumulator, get_aggregator, list_aggregators
+from strategies.core.aggregators import get_aggregator, list_aggregators
 from strategies.core.exchange import (
     SuperLinkUnavailableError,
     call_with_retries,
     is_transient,
 )
 from strategies.core.groups import GroupModels
+from strategies.core.mean import MeanAccumulator
 from tessera import wire
 from tessera.checkpoint import CheckpointError, load_state, save_state
 from tessera.config import ConfigError

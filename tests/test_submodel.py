@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strategies.core.aggregation import AggregationError
-from strategies.core.aggregators import MeanAccumulator
+from strategies.core.mean import MeanAccumulator
 from strategies.submodel import (
     Layout,
     ScalableAccumulator,

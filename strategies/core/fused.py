@@ -1,6 +1,6 @@
 """One pass over an update: its distance, its dot with a direction, and its fold.
 
-The bounded ``mean`` (:class:`strategies.core.aggregators.MeanAccumulator`) needs three
+The bounded ``mean`` (:class:`strategies.core.mean.MeanAccumulator`) needs three
 things of every update ``v`` against the global entry ``b``: ``sum((v - b) ** 2)``,
 ``sum((v - b) * d)`` with the server's own update ``d``, and ``total += w * v``
 while the running distance is within the bound. With torch primitives that is four
@@ -171,7 +171,7 @@ def measure_fold(
 ) -> tuple[int, float, float] | None:
     """Run the compiled pass; return ``None`` when it does not apply (use the torch path).
 
-    Same contract as :func:`strategies.core.aggregators.measure_and_fold`: blocks of
+    Same contract as :func:`strategies.core.measure.measure_and_fold`: blocks of
     ``value`` are measured against ``base`` (and dotted with ``direction``), summed
     over blocks in float64; while the running ``square`` stays at most ``limit``, each block is
     added to ``total`` at ``weight`` in ``total``'s precision. The arrays must be
@@ -261,7 +261,7 @@ def fold(value: np.ndarray, total: np.ndarray, weight: float) -> bool:
     """Add ``weight * value`` to ``total`` in one compiled pass; ``False`` when it does not apply.
 
     For a float32 update into a float64 sum (what every plain fold is, see
-    :func:`strategies.core.aggregators.sum_dtype`), where torch's mixed-dtype
+    :func:`strategies.core.sums.sum_dtype`), where torch's mixed-dtype
     ``add_`` casts element by element at a fraction of the speed. Flat contiguous
     arrays of :data:`DTYPES` only.
     """

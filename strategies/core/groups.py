@@ -18,15 +18,9 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.core.aggregators import (
-    DIRECTION,
-    Accumulator,
-    AccumulatorReport,
-    Aggregator,
-    Index,
-    check_update,
-    parse_scale_key,
-)
+from strategies.core.aggregators import DIRECTION, Accumulator, AccumulatorReport, Aggregator, Index
+from strategies.core.mean import parse_scale_key
+from strategies.core.sums import check_update
 from strategies.core.validation import ClientReply
 from tessera import wire
 

@@ -32,13 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from strategies.core.aggregation import AggregationError
-from strategies.core.aggregators import (
-    Accumulator,
-    AccumulatorReport,
-    Index,
-    MeanAccumulator,
-    register_aggregator,
-)
+from strategies.core.aggregators import Accumulator, AccumulatorReport, Index, register_aggregator
+from strategies.core.mean import MeanAccumulator
 
 
 # ------------------------------------------------------------------------- pure maths

@@ -3,7 +3,7 @@
 Coverage averaging (HeteroFL, NeFL, and FedFA after grafting): every global entry
 is averaged, element by element, over the clients whose slice covers it, weighted
 by their examples (or uniformly); elements nobody covered keep the global value.
-It is :class:`strategies.core.aggregators.MeanAccumulator` (``clip_factor=0``) fed with
+It is :class:`strategies.core.mean.MeanAccumulator` (``clip_factor=0``) fed with
 each sub-model's channel-prefix index (``coverage_average`` in ``tests/oracles.py`` is
 that, for lists).
 
@@ -114,16 +114,12 @@ from strategies.core.aggregators import (
     AccumulatorReport,
     Aggregator,
     Clip,
-    Coverage,
-    EntrySums,
     Index,
-    MeanAccumulator,
-    add_scaled,
-    check_update,
     entry_kind,
-    measure_and_fold,
-    squared_distance,
 )
+from strategies.core.mean import MeanAccumulator
+from strategies.core.measure import measure_and_fold, squared_distance
+from strategies.core.sums import Coverage, EntrySums, add_scaled, check_update
 from strategies.submodel.extract import coverage_index
 
 Target = Literal["updates", "weights"]
@@ -274,7 +270,7 @@ class ScalableAccumulator:
     Equal, within float32 rounding, to ``scalable_aggregate`` (``tests/oracles.py``) of the same
     clients (with ``statistics`` left out), without keeping their states. Per
     scaled layer ``l`` it holds, in the entry's precision and in place
-    (:class:`~strategies.core.aggregators.EntrySums`)::
+    (:class:`~strategies.core.sums.EntrySums`)::
 
         P_l = sum_{c: e_c > 0} (N_c / e_c) X_c     (X: the update, or the weights)
         S_l = sum_{c: e_c = 0} N_c X_c              (factor 1)

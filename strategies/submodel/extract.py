@@ -82,7 +82,7 @@ def extract(
     tuple[dict[str, np.ndarray], dict[str, Index]]
         The sub-model's state dict (global key order), and per key the index (one
         slice per dimension) of its values in the global entry: what
-        :meth:`strategies.core.aggregators.MeanAccumulator.add` takes as ``index``.
+        :meth:`strategies.core.mean.MeanAccumulator.add` takes as ``index``.
 
     Raises
     ------
