@@ -23,17 +23,11 @@ from torch import nn
 
 from models import get_model, list_models
 from strategies.fedhenn import linear_cka
+from strategies.fedhenn.client import FedHeNNClient
 from strategies.fedhenn.kbar import average_kernel, factorise
-from strategies.fedhenn.scheme import (
-    ALIGN,
-    PROBE,
-    RAD_ROUND_KEY,
-    REP,
-    FedHeNNClient,
-    FedHeNNOptions,
-    RadSampler,
-    representation_problem,
-)
+from strategies.fedhenn.options import FedHeNNOptions
+from strategies.fedhenn.payload import ALIGN, PROBE, RAD_ROUND_KEY, REP, representation_problem
+from strategies.fedhenn.server import RadSampler
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.data import split_server_pool

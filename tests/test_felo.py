@@ -27,6 +27,7 @@ from models import get_model, list_models
 from models.base import TesseraModel
 from models.projection import ProjectedModel
 from strategies import get_scheme
+from strategies.felo.client import FeloClient
 from strategies.felo.cvae import CVAE, CVAEConfig, train_cvae
 from strategies.felo.knowledge import (
     CLASS_TARGETS,
@@ -40,12 +41,8 @@ from strategies.felo.knowledge import (
     merge_knowledge,
     record_to_knowledge,
 )
-from strategies.felo.scheme import (
-    ClassTargets,
-    FeloClient,
-    FeloOptions,
-    loss_terms,
-)
+from strategies.felo.loss import ClassTargets, loss_terms
+from strategies.felo.options import FeloOptions
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tests.conftest import (

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from server_app.app import build_server
-from strategies.felo.scheme import knowledge_from_state
+from strategies.felo.server import knowledge_from_state
 from tessera.checkpoint import CheckpointError, StateTree, load_state, save_state
 from tessera.config import ConfigError
 from tessera.results import ResultsWriter
@@ -386,7 +386,7 @@ def test_fedhe_targets_with_features_are_refused(tmp_path: Path) -> None:
 def test_a_cvae_checkpoint_restores_the_weights(tmp_path: Path) -> None:
     # Prepare: hand-built CVAE weights, read back through a checkpoint
     from strategies.felo.cvae import CVAE, CVAEConfig
-    from strategies.felo.scheme import checked_cvae
+    from strategies.felo.velo import checked_cvae
 
     config = CVAEConfig(feature_dim=3, num_classes=2, latent_dim=2, hidden_dim=4)
     torch.manual_seed(0)
