@@ -425,3 +425,22 @@ def test_the_readme_is_an_entrance_whose_links_resolve() -> None:
     assert local, "the README links to the docs pages"
     for link in local:
         assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
+def test_a_schemes_round_state_lives_in_the_round_context() -> None:
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Gathered:
+        nodes: list[int] = field(default_factory=list)
+
+    # Execute: two hooks of one round, then the next round
+    first = RoundContext(server_round=1, num_rounds=2, rng=np.random.default_rng(0))
+    first.state(Gathered).nodes.append(7)
+    first.state(Gathered).nodes.append(9)
+    second = RoundContext(server_round=2, num_rounds=2, rng=np.random.default_rng(0))
+
+    # Assert: one object per round and type; nothing carries over
+    assert first.state(Gathered).nodes == [7, 9]
+    assert second.state(Gathered).nodes == []
+    assert first.state(list, lambda: [1]) == [1]

@@ -85,6 +85,9 @@ class RoundContext:
         ``evaluate``), for the round record.
     shared : dict
         Records built once this round and put into several messages (:meth:`share`).
+    scheme_state : dict
+        A scheme's own state for this round, one object per type (:meth:`state`):
+        it lives and dies with the round, so a skipped round leaves nothing behind.
     """
 
     server_round: int
@@ -101,6 +104,7 @@ class RoundContext:
     limits: dict[int, ReplyLimits] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     shared: dict[Hashable, Any] = field(default_factory=dict)
+    scheme_state: dict[type, Any] = field(default_factory=dict)
 
     def share(self, key: Hashable, build: Callable[[], _T]) -> _T:
         """Return ``build()``, built once per round per ``key`` and shared afterwards.
@@ -114,6 +118,18 @@ class RoundContext:
         if key not in self.shared:
             self.shared[key] = build()
         return cast("_T", self.shared[key])
+
+    def state(self, kind: type[_T], build: Callable[[], _T] | None = None) -> _T:
+        """Return this round's scheme state of type ``kind``, built on first use.
+
+        ``build()`` (or ``kind()``) makes it the first time a hook asks in the round;
+        later calls return the same object. A scheme keeps what it gathers during a
+        round here rather than on itself (FedFA's accumulator, FlexiFed's personal
+        entries), so nothing carries over into the next round by mistake.
+        """
+        if kind not in self.scheme_state:
+            self.scheme_state[kind] = build() if build is not None else kind()
+        return cast("_T", self.scheme_state[kind])
 
     def timed(self, phase: str, started: float) -> None:
         """Record the seconds since ``started`` (``time.monotonic()``) as ``phase``."""

@@ -58,7 +58,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
@@ -144,40 +144,45 @@ class FedFAClient(SubModelClient):
     """A FedFA node: picks a width and a depth (or one of them, ``fedfa-slices``)."""
 
 
+@dataclass
+class FedFARound:
+    """What FedFA gathers during one round (kept in the round context)."""
+
+    accumulator: ScalableAccumulator | None = None
+    """The scalable aggregate, opened at the first reply."""
+    senders: list[int] = field(default_factory=list)
+    """Nodes whose update was folded, in order."""
+    dropped: list[tuple[int, float]] = field(default_factory=list)
+    """Nodes dropped by the direction check, with their cosine."""
+
+
 class FedFAStrategy(SubModelStrategy):
     """FedFA's server: graft every reply to the global depth, then scalable aggregation."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._round: ScalableAccumulator | None = None
-        self._senders: list[int] = []
-        self._dropped: list[tuple[int, float]] = []
         self.references: dict[str, float] = {}
         """Per layer, the last reference norm a round computed (for a layer one client moves)."""
         self.statistics_report: AccumulatorReport | None = None
         """The last committed round's report on the statistics (carries their bound)."""
 
     def _accumulator(self) -> ScalableAccumulator:
-        """Return this round's accumulator, opened on the global weights at the first reply."""
-        if self._round is None:
-            opts: FedFAOptions = self.options
-            self._round = ScalableAccumulator(
-                self.global_state,
-                target=opts.target,
-                percentile=opts.percentile,
-                trim=opts.trim,
-                max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
-                clip_factor=self.env.run.clip_factor,
-                previous=self.references,
-                statistics=self.aggregator,
-                previous_statistics=self.statistics_report,
-                direction=self.pool_direction(self.global_name, self.global_state),
-                threshold=self.env.run.trust_threshold,
-                ceiling=self.env.run.clip_ceiling if self.env.run.clip_factor > 0 else 0.0,
-            )
-            self._senders = []
-            self._dropped = []
-        return self._round
+        """Open this round's accumulator on the global weights (at the first reply)."""
+        opts: FedFAOptions = self.options
+        return ScalableAccumulator(
+            self.global_state,
+            target=opts.target,
+            percentile=opts.percentile,
+            trim=opts.trim,
+            max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
+            clip_factor=self.env.run.clip_factor,
+            previous=self.references,
+            statistics=self.aggregator,
+            previous_statistics=self.statistics_report,
+            direction=self.pool_direction(self.global_name, self.global_state),
+            threshold=self.env.run.trust_threshold,
+            ceiling=self.env.run.clip_ceiling if self.env.run.clip_factor > 0 else 0.0,
+        )
 
     def fold_view(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Graft a slice's arrays to the global depth (as :meth:`fold` grafts replies)."""
@@ -197,7 +202,10 @@ class FedFAStrategy(SubModelStrategy):
         if not self.options.scaling:
             self.models.fold(self.global_name, grafted, weight, index=index, node=reply.node_id)
             return without_arrays(reply)
-        accumulator = self._accumulator()
+        state = ctx.state(FedFARound)
+        if state.accumulator is None:
+            state.accumulator = self._accumulator()
+        accumulator = state.accumulator
         before, dropped = accumulator.count, len(accumulator.dropped)
         own = self.slice_direction(reply.arch)
         accumulator.add(
@@ -207,9 +215,9 @@ class FedFAStrategy(SubModelStrategy):
             direction=own,
         )
         if accumulator.count > before:
-            self._senders.append(reply.node_id)
+            state.senders.append(reply.node_id)
         elif len(accumulator.dropped) > dropped:
-            self._dropped.append((reply.node_id, accumulator.dropped[-1][1]))
+            state.dropped.append((reply.node_id, accumulator.dropped[-1][1]))
             log.warning(
                 "node %s: update dropped, cosine %.3g with the server's own update "
                 "(fedfa, trust-threshold %g)",
@@ -230,9 +238,8 @@ class FedFAStrategy(SubModelStrategy):
         """
         if not self.options.scaling:
             return super().aggregate(ctx, replies)
-        accumulator, self._round = self._round, None
-        senders, self._senders = self._senders, []
-        dropped, self._dropped = self._dropped, []
+        state = ctx.state(FedFARound)
+        accumulator, senders, dropped = state.accumulator, state.senders, state.dropped
         if accumulator is None or accumulator.count == 0:
             raise AggregationError("nothing to aggregate: no reply was folded")
         new = accumulator.result()
@@ -285,10 +292,7 @@ class FedFAStrategy(SubModelStrategy):
         }
 
     def discard(self, ctx: RoundContext) -> None:
-        """Drop this round's aggregate; the global model stays as it was."""
-        self._round = None
-        self._senders = []
-        self._dropped = []
+        """Drop this round's aggregate (it goes with ``ctx``); the global model stays."""
         super().discard(ctx)
 
     def state_dict(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ The sharing rule is pure (:func:`common_prefix`, :func:`sharing`) and tested by 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -133,6 +133,13 @@ class FlexiFedClient(SubModelClient):
     """A FlexiFed node: picks a depth, keeps every channel."""
 
 
+@dataclass
+class PendingPersonal:
+    """``basic-common``: this round's personal entries by node (kept in the round context)."""
+
+    entries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
 class FlexiFedStrategy(SubModelStrategy):
     """FlexiFed's server (module docstring)."""
 
@@ -140,7 +147,6 @@ class FlexiFedStrategy(SubModelStrategy):
         super().__init__(**kwargs)
         self.personal: dict[int, dict[str, np.ndarray]] = {}
         """``basic-common``: each node's own entries beyond the common prefix."""
-        self._pending_personal: dict[int, dict[str, np.ndarray]] = {}
         self._groups: dict[tuple[str, tuple[str, ...]], dict[str, tuple[str, bool]]] = {}
 
     def group_initial(self, group: str) -> dict[str, np.ndarray]:
@@ -208,23 +214,22 @@ class FlexiFedStrategy(SubModelStrategy):
         for group, update in sorted(targets.items()):
             self.models.fold(group, update, weight, node=reply.node_id)
         if personal:
-            self._pending_personal[reply.node_id] = personal
+            ctx.state(PendingPersonal).entries[reply.node_id] = personal
         return without_arrays(reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Commit the shared averages and the personal entries."""
-        bad = [n for n, own in self._pending_personal.items() if non_finite_entries(own)]
+        pending = ctx.state(PendingPersonal).entries
+        bad = [n for n, own in pending.items() if non_finite_entries(own)]
         for node in bad:  # validated replies are finite; kept as a second line of defence
-            del self._pending_personal[node]
+            del pending[node]
         out = super().aggregate(ctx, replies)
-        self.personal.update(self._pending_personal)
-        self._pending_personal = {}
+        self.personal.update(pending)
         return out
 
     def discard(self, ctx: RoundContext) -> None:
-        """Keep every model and personal entry as it was."""
+        """Keep every model and personal entry as it was (the round's go with ``ctx``)."""
         super().discard(ctx)
-        self._pending_personal = {}
 
     def state_dict(self) -> dict[str, Any]:
         """Return the base state plus the personal entries."""
