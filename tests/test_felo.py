@@ -771,7 +771,7 @@ def test_schemes_are_registered() -> None:
 def test_simulation_two_rounds_three_profiles(tmp_path: Path, strategy: str) -> None:
     # Execute
     rounds = simulated_rounds(
-        tmp_path, f"strategy='{strategy}' num-server-rounds=2 cvae-epochs=20 {THREE_ARCHS_CLI}"
+        tmp_path, f"strategy='{strategy}' num-server-rounds=2 cvae-epochs=2 {THREE_ARCHS_CLI}"
     )
 
     # Assert
