@@ -50,37 +50,32 @@ RNG state to checkpoint.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
-import torch
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from strategies.core.aggregators import Aggregator, AggregatorSettings, get_aggregator
-from strategies.core.context import FEDERATION, RoundContext, ServerEnv
+from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.exchange import exchange, wait_for_nodes
 from strategies.core.groups import NonFiniteStateError
-from strategies.core.nodes import NodeInfo, NodeTable
+from strategies.core.hooks import SchemeHooks
+from strategies.core.nodes import NodeTable
 from strategies.core.observers import AttackObserver
 from strategies.core.record import round_record
 from strategies.core.resume import check_identity
 from strategies.core.validation import (
-    ArraySpec,
-    ClientReply,
     Rejection,
     ReplyLimits,
-    ReplySchema,
     validate_reply,
     weight_caps,
 )
 from tessera import wire
-from tessera.data import ArrayDataset
 from tessera.results import TABLE_HEADER, ResultsWriter, format_round_row
 
 log = logging.getLogger("flwr.tessera")
@@ -92,7 +87,7 @@ class RunStoppedError(RuntimeError):
     """The run cannot go on (too many skipped rounds, too few nodes)."""
 
 
-class HeteroStrategy:
+class HeteroStrategy(SchemeHooks):
     """Base class of Tessera's schemes (see the module docstring).
 
     Parameters
@@ -106,10 +101,6 @@ class HeteroStrategy:
     aggregator : Aggregator | None
         Folds weight updates; by default the one named by run-config ``aggregator``.
     """
-
-    name: ClassVar[str] = "hetero"
-    """The scheme's name: :func:`~strategies.core.registry.register_scheme` sets it from
-    the one place it is written, the scheme's registration."""
 
     def __init__(
         self,
@@ -142,207 +133,6 @@ class HeteroStrategy:
         self.failed_streak = 0
         self.final_metrics: dict[str, Any] = {}
         self._templates: dict[str, dict[str, np.ndarray]] = {}
-
-    @property
-    def nodes(self) -> dict[int, NodeInfo]:
-        """Every node that passed the handshake (:attr:`NodeTable.nodes`)."""
-        return self.table.nodes
-
-    @property
-    def assignment(self) -> dict[int, str]:
-        """Nodes that can take part and their architectures (:attr:`NodeTable.assignment`)."""
-        return self.table.assignment
-
-    @property
-    def excluded(self) -> dict[int, str]:
-        """Nodes left out of the federation and why (:attr:`NodeTable.excluded`)."""
-        return self.table.excluded
-
-    # ------------------------------------------------------------------ models
-    def build_model(self, arch: str) -> torch.nn.Module:
-        """Build a fresh model of ``arch`` for this task (seeded by run-config seed)."""
-        from models import get_model
-
-        torch.manual_seed(self.env.run.seed)
-        return get_model(
-            arch,
-            input_shape=self.env.input_shape,
-            num_classes=self.env.num_classes,
-            norm=self.env.run.norm,
-            flat_input=self.env.run.flat_input,
-        )
-
-    def initial_arrays(self, arch: str) -> dict[str, np.ndarray]:
-        """Seeded initial weights of ``arch`` (the same in every process)."""
-        if arch not in self._templates:
-            model = self.build_model(arch)
-            self._templates[arch] = {
-                k: v.numpy().copy() for k, v in wire.exchanged_state(model.state_dict()).items()
-            }
-        return {k: v.copy() for k, v in self._templates[arch].items()}
-
-    def pool_direction(
-        self, arch: str, weights: Mapping[str, np.ndarray]
-    ) -> dict[str, np.ndarray] | None:
-        """Return the server's own update of ``arch``'s ``weights`` on its pool, or ``None``.
-
-        The server trains a copy of the global model on its server pool (data no
-        client holds) with the clients' schedule (``local-epochs``, ``batch-size``,
-        the SGD settings), seeded by the run and the round, and returns trained
-        minus ``weights`` per floating entry: the direction the bounded ``mean``
-        compares each update with (FLTrust's trusted root update, Cao et al. NDSS
-        2021; run-config ``trust-threshold``). ``None`` when run-config
-        ``server-trust`` is off, the pool is empty, or the update is not finite.
-        """
-        from tessera.training import OptimConfig, cross_entropy_loss, train_model
-
-        run = self.env.run
-        pool = self.env.server_pool
-        if (
-            not self.server_trust
-            or len(pool) == 0
-            or self.aggregator.name != "mean"
-            or run.clip_factor <= 0
-        ):
-            return None  # only the bounded mean checks directions
-        model = self.build_model(arch)
-        model.load_state_dict(
-            {k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False
-        )
-        optim = OptimConfig(
-            run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
-        )
-        round_seed = run.seed * 7919 + self.completed_round + 1
-        train_model(
-            model,
-            pool,
-            optim=optim,
-            device=torch.device("cpu"),
-            seed=round_seed,
-            loss_fn=cross_entropy_loss,
-        )
-        trained = wire.exchanged_state(model.state_dict())
-        out: dict[str, np.ndarray] = {}
-        for key, value in weights.items():
-            if key in trained and np.issubdtype(value.dtype, np.floating):
-                out[key] = (trained[key].detach().numpy() - value).astype(value.dtype)
-        if not all(np.all(np.isfinite(v)) for v in out.values()):
-            log.warning("the server's own update of '%s' on its pool is not finite; unused", arch)
-            return None
-        return out
-
-    def array_spec(self, arch: str) -> ArraySpec:
-        """Return the expected names, shapes and dtypes of ``arch``'s arrays."""
-        if arch not in self._templates:
-            self.initial_arrays(arch)
-        return {k: (tuple(v.shape), str(v.dtype)) for k, v in self._templates[arch].items()}
-
-    # ------------------------------------------------------------------- hooks
-    def known_archs(self) -> list[str]:
-        """Architectures a node may name in the handshake (default: every registered model)."""
-        from models import list_models
-
-        return list_models()
-
-    def refuse_node(self, info: NodeInfo) -> str | None:
-        """Return why a node that passed the handshake checks may not join, or None.
-
-        Called once per node, after :func:`parse_handshake` has checked its profile
-        against the registry; a reason rejects the node (logged, in ``config.json``).
-        Default: every node may join.
-        """
-        return None
-
-    def assign_architectures(self, nodes: Mapping[int, NodeInfo]) -> dict[int, str | None]:
-        """Map each node to the architecture it trains (``None`` leaves it out).
-
-        Default: the architecture each device chose for itself.
-        """
-        return {node_id: info.arch for node_id, info in nodes.items()}
-
-    def select_nodes(self, ctx: RoundContext) -> list[int]:
-        """Choose this round's trainers among ``ctx.eligible``.
-
-        ``max(min-train-nodes, ceil(fraction-train * eligible))`` nodes (all when
-        that is at least the number eligible), drawn without replacement with the
-        round's generator from the eligible nodes ordered by partition, then data key
-        (a digest of a node's own data file), then node id: the first two are stable
-        across restarts, node ids are not.
-        """
-        order = sorted(ctx.eligible, key=self._stable_order)
-        run = self.env.run
-        want = max(run.min_train_nodes, math.ceil(run.fraction_train * len(order)))
-        if want >= len(order):
-            return order
-        picked = ctx.rng.choice(len(order), size=want, replace=False)
-        return [order[i] for i in sorted(int(i) for i in picked)]
-
-    def _stable_order(self, node_id: int) -> tuple[int, int, int]:
-        info = self.nodes.get(node_id)
-        return (-1, -1, node_id) if info is None else (info.partition_id, info.data_key, node_id)
-
-    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
-        """Build the records sent to one node this round (the base: only the config)."""
-        return RecordDict({wire.CONFIG: self.train_config(ctx, node_id, arch)})
-
-    def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
-        """Build the ``config`` record: round, architecture and task shape."""
-        return ConfigRecord(
-            {
-                "server-round": ctx.server_round,
-                "arch": arch,
-                "num-classes": self.env.num_classes,
-                "input-shape": list(self.env.input_shape),
-                FEDERATION: self.federation,
-            }
-        )
-
-    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
-        """Return what this node's reply must contain (default: metrics only)."""
-        return ReplySchema(arrays=None)
-
-    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
-        """Fold one accepted reply into this round's state, as soon as it is pulled.
-
-        Returns the reply to keep for the round's record and :meth:`aggregate`;
-        schemes that fold weights return it without them, so the arrays can be
-        freed. Raising rejects the reply (logged, counted) and leaves the state as
-        it was before.
-        """
-        return reply
-
-    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
-        """Finish the round (it reached its quorum); return extra round-level metrics."""
-        return {}
-
-    def discard(self, ctx: RoundContext) -> None:
-        """Drop what :meth:`fold` gathered: the round is skipped."""
-
-    def evaluate(self, ctx: RoundContext) -> dict[str, Any]:
-        """Server-side evaluation after the round; merged into the round record.
-
-        Default: accuracy of every global model on the server's test set
-        (``global_accuracy`` is their mean, ``None`` when the scheme has none). The
-        attack's success is measured outside the scheme
-        (:class:`~strategies.core.observers.AttackObserver`).
-        """
-        by_arch = self.evaluate_global()
-        return {
-            "global_accuracy": float(np.mean(list(by_arch.values()))) if by_arch else None,
-            "global_accuracy_by_arch": by_arch,
-        }
-
-    def end_of_run(self, ctx: RoundContext) -> dict[str, Any]:
-        """Finish the run after its last round; the result goes to ``summary.json``."""
-        return {}
-
-    def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
-        """Global model(s) to evaluate on the server test set, by architecture."""
-        return {}
-
-    def describe(self) -> dict[str, Any]:
-        """Scheme-specific settings for ``config.json``."""
-        return {}
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -710,27 +500,4 @@ class HeteroStrategy:
             "server_pool_size": len(self.env.server_pool),
             **self.table.document(),
             "attack": self.attacks.document(self.table),
-        }
-
-    # ------------------------------------------------------------ evaluation
-    def accuracy_of(self, arch: str, arrays: Mapping[str, np.ndarray], data: ArrayDataset) -> float:
-        """Accuracy of ``arch`` with ``arrays`` on ``data`` (the evaluation hook's scorer)."""
-        from tessera.training import evaluate_model
-
-        model = self.build_model(arch)
-        model.load_state_dict(
-            {k: torch.from_numpy(v.copy()) for k, v in arrays.items()}, strict=False
-        )
-        _, acc = evaluate_model(model, data, batch_size=256, device=torch.device("cpu"))
-        return acc
-
-    def evaluate_global(self, data: ArrayDataset | None = None) -> dict[str, float]:
-        """Accuracy of every global model (:meth:`global_models`) on ``data``.
-
-        ``data`` defaults to the server's test set.
-        """
-        test = self.env.global_test if data is None else data
-        return {
-            arch: self.accuracy_of(arch, arrays, test)
-            for arch, arrays in self.global_models().items()
         }
