@@ -32,7 +32,8 @@ effects. Each round runs these phases, each a method of its own:
    continues a run with no round lost or counted twice.
 
 Per-round state travels in a :class:`~strategies.core.context.RoundContext` handed
-to every hook. Subclasses override hooks only: :meth:`~HeteroStrategy.assign_architectures`,
+to every hook. Subclasses override hooks only (their defaults are in
+:class:`~strategies.core.hooks.SchemeHooks`): :meth:`~HeteroStrategy.assign_architectures`,
 :meth:`~HeteroStrategy.select_nodes`, :meth:`~HeteroStrategy.node_content`,
 :meth:`~HeteroStrategy.train_config`, :meth:`~HeteroStrategy.reply_schema`,
 :meth:`~HeteroStrategy.fold`, :meth:`~HeteroStrategy.aggregate`,
