@@ -451,7 +451,7 @@ def test_probe_device_cuda_path_without_gpu(
     props = SimpleNamespace(name=gpu_name, total_memory=8 * GiB)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    monkeypatch.setattr(device, "detect_jetson", lambda: jetson)
+    monkeypatch.setattr(device.probe, "detect_jetson", lambda: jetson)
 
     # Execute
     profile = probe_device(benchmark=False)
@@ -474,7 +474,7 @@ def test_probe_device_cuda_benchmark_failure_falls_back_to_table(
     props = SimpleNamespace(name="Tesla T4", total_memory=16 * GiB)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
-    monkeypatch.setattr(device, "measure_accelerator_macs_per_second", broken)
+    monkeypatch.setattr(device.probe, "measure_accelerator_macs_per_second", broken)
 
     # Execute
     profile = probe_device(benchmark=True)
