@@ -21,17 +21,19 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast, get_args
 
 T = TypeVar("T", int, float, str, bool)
 
-PARTITIONERS = ("iid", "dirichlet", "pathological")
+Partitioner = Literal["iid", "dirichlet", "pathological"]
+PARTITIONERS: tuple[Partitioner, ...] = get_args(Partitioner)
 FlatInput = Literal["signal", "square"]
 FLAT_INPUTS: tuple[FlatInput, ...] = ("signal", "square")
 """How convolutional models read flat ``(D,)`` samples (run-config ``flat-input``):
 as a one-channel signal of length ``D`` (1-d convolutions) or zero-padded and reshaped
 into a square one-channel image (2-d convolutions)."""
-KNOWLEDGE_MERGES = ("mean", "median", "trimmed-mean")
+KnowledgeMerge = Literal["mean", "median", "trimmed-mean"]
+KNOWLEDGE_MERGES: tuple[KnowledgeMerge, ...] = get_args(KnowledgeMerge)
 """How per-client knowledge (class features/logits, kernels) is merged: run-config
 ``knowledge-merge``."""
 ATTACKS = (
@@ -57,7 +59,8 @@ OMNISCIENT_ATTACKS = ("alie", "ipm", "min-max", "min-sum", "mimic")
 papers): only the in-process grid can show them those (:mod:`client_app.attacks`),
 so a real simulation or deployment refuses them. ``bound-riding`` is omniscient in
 the in-process grid and uses its own update elsewhere."""
-ATTACK_PERTURBATIONS = ("std", "sign", "unit")
+AttackPerturbation = Literal["std", "sign", "unit"]
+ATTACK_PERTURBATIONS: tuple[AttackPerturbation, ...] = get_args(AttackPerturbation)
 """Min-max/min-sum perturbation directions (run-config ``attack-perturbation``)."""
 
 MAX_ROUNDS = 100_000
@@ -350,7 +353,7 @@ class RunConfig:
     strategy: str
     num_server_rounds: int
     dataset: str
-    partitioner: str
+    partitioner: Partitioner
     dirichlet_alpha: float
     classes_per_client: int
     server_pool_fraction: float
@@ -384,7 +387,7 @@ class RunConfig:
     krum_byzantine: int
     clip_norm: float
     clip_factor: float
-    knowledge_merge: str
+    knowledge_merge: KnowledgeMerge
     attack: tuple[str, ...]
     attack_fraction: float
     attack_lambda: float
@@ -392,7 +395,7 @@ class RunConfig:
     attack_noise: float
     attack_z: float
     attack_epsilon: float
-    attack_perturbation: str
+    attack_perturbation: AttackPerturbation
     attack_magnitude: float
     attack_inflate: int
     weight_cap: float
@@ -451,7 +454,7 @@ class RunConfig:
             strategy=r.get("strategy", str),
             num_server_rounds=r.get("num-server-rounds", int),
             dataset=r.get("dataset", str),
-            partitioner=r.get("partitioner", str).lower(),
+            partitioner=cast("Partitioner", r.get("partitioner", str).lower()),
             dirichlet_alpha=r.get("dirichlet-alpha", float),
             classes_per_client=r.get("classes-per-client", int),
             server_pool_fraction=r.get("server-pool-fraction", float),
@@ -487,7 +490,7 @@ class RunConfig:
             krum_byzantine=r.get("krum-byzantine", int),
             clip_norm=r.get("clip-norm", float),
             clip_factor=r.get("clip-factor", float),
-            knowledge_merge=r.get("knowledge-merge", str).strip().lower(),
+            knowledge_merge=cast("KnowledgeMerge", r.get("knowledge-merge", str).strip().lower()),
             attack=tuple(a.lower() for a in parse_csv(r.optional_str("attack"), key="attack")),
             attack_fraction=r.get("attack-fraction", float),
             attack_lambda=r.get("attack-lambda", float),
@@ -495,7 +498,9 @@ class RunConfig:
             attack_noise=r.get("attack-noise", float),
             attack_z=r.get("attack-z", float),
             attack_epsilon=r.get("attack-epsilon", float),
-            attack_perturbation=r.get("attack-perturbation", str).strip().lower(),
+            attack_perturbation=cast(
+                "AttackPerturbation", r.get("attack-perturbation", str).strip().lower()
+            ),
             attack_magnitude=r.get("attack-magnitude", float),
             attack_inflate=r.get("attack-inflate", int),
             weight_cap=r.get("weight-cap", float),
