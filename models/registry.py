@@ -424,30 +424,11 @@ def register_model(
     description: str = "",
     config: object | None = None,
 ) -> Callable[[BuilderT], BuilderT]:
-    """Return a decorator registering a builder in the zoo.
+    """Return a decorator registering a builder in the zoo (:meth:`ModelRegistry.register`).
 
-    Parameters
-    ----------
-    name : str
-        Unique model name.
-    family : str
-        Architecture family.
-    size_rank : int
-        Rank by size within the family, 0 for the smallest; unique per family.
-    description : str, optional
-        One-line description.
-    config : object or None, optional
-        The frozen config the builder builds, exposed as ``model_entry(name).config``.
-
-    Returns
-    -------
-    Callable[[BuilderT], BuilderT]
-        A decorator that registers the builder and returns it unchanged.
-
-    Raises
-    ------
-    ValueError
-        If ``name`` or ``(family, size_rank)`` is already registered.
+    The parameters, return value and errors are those of
+    :meth:`ModelRegistry.register`; ``config`` is exposed as
+    ``model_entry(name).config``.
     """
     return _REGISTRY.register(
         name, family=family, size_rank=size_rank, description=description, config=config

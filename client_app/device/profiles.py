@@ -204,7 +204,31 @@ def _get_float(data: Mapping[str, object], key: str) -> float:
     return float(value)
 
 
-# Throughput figures are training MAC/s (unit above): GEMM rate x
+def _predefined(
+    name: str,
+    cores: float,
+    memory: int,
+    macs: float,
+    *,
+    cuda: str | None = None,
+    cuda_memory: int | None = None,
+    jetson: bool = False,
+) -> DeviceProfile:
+    """One row of :data:`PREDEFINED_PROFILES` (a CPU device unless ``cuda`` names a GPU)."""
+    return DeviceProfile(
+        name=name,
+        source="predefined",
+        cpu_cores=cores,
+        memory_bytes=memory,
+        accelerator="cpu" if cuda is None else "cuda",
+        accelerator_name=cuda,
+        accelerator_memory_bytes=cuda_memory,
+        is_jetson=jetson,
+        train_macs_per_second=macs,
+    )
+
+
+# Throughput figures are training MAC/s (the unit of client_app.device.cost): GEMM rate x
 # CPU_CONV_TRAINING_EFFICIENCY, or fp32 peak x GPU_CONV_TRAINING_EFFICIENCY,
 # rounded; only the order of magnitude matters.
 # - cpu-small: Raspberry Pi Zero 2 W class, 512 MiB, one usable Cortex-A53
@@ -228,61 +252,23 @@ def _get_float(data: Mapping[str, object], key: str) -> float:
 #   -> 2e12.
 PREDEFINED_PROFILES: Final[Mapping[str, DeviceProfile]] = MappingProxyType(
     {
-        "cpu-small": DeviceProfile(
-            name="cpu-small",
-            source="predefined",
-            cpu_cores=1.0,
-            memory_bytes=512 * MiB,
-            accelerator="cpu",
-            accelerator_name=None,
-            accelerator_memory_bytes=None,
-            is_jetson=False,
-            train_macs_per_second=2.0e8,
-        ),
-        "cpu-medium": DeviceProfile(
-            name="cpu-medium",
-            source="predefined",
-            cpu_cores=4.0,
-            memory_bytes=4 * GiB,
-            accelerator="cpu",
-            accelerator_name=None,
-            accelerator_memory_bytes=None,
-            is_jetson=False,
-            train_macs_per_second=1.0e10,
-        ),
-        "cpu-large": DeviceProfile(
-            name="cpu-large",
-            source="predefined",
-            cpu_cores=8.0,
-            memory_bytes=16 * GiB,
-            accelerator="cpu",
-            accelerator_name=None,
-            accelerator_memory_bytes=None,
-            is_jetson=False,
-            train_macs_per_second=8.0e10,
-        ),
-        "jetson-orin": DeviceProfile(
-            name="jetson-orin",
-            source="predefined",
-            cpu_cores=6.0,
-            memory_bytes=8 * GiB,
-            accelerator="cuda",
-            accelerator_name="Orin",
-            accelerator_memory_bytes=8 * GiB,
-            is_jetson=True,
-            train_macs_per_second=1.0e11,
-        ),
-        "gpu-server": DeviceProfile(
-            name="gpu-server",
-            source="predefined",
-            cpu_cores=32.0,
-            memory_bytes=256 * GiB,
-            accelerator="cuda",
-            accelerator_name="NVIDIA A100-SXM4-80GB",
-            accelerator_memory_bytes=80 * GiB,
-            is_jetson=False,
-            train_macs_per_second=2.0e12,
-        ),
+        profile.name: profile
+        for profile in (
+            _predefined("cpu-small", 1.0, 512 * MiB, 2.0e8),
+            _predefined("cpu-medium", 4.0, 4 * GiB, 1.0e10),
+            _predefined("cpu-large", 8.0, 16 * GiB, 8.0e10),
+            _predefined(
+                "jetson-orin", 6.0, 8 * GiB, 1.0e11, cuda="Orin", cuda_memory=8 * GiB, jetson=True
+            ),
+            _predefined(
+                "gpu-server",
+                32.0,
+                256 * GiB,
+                2.0e12,
+                cuda="NVIDIA A100-SXM4-80GB",
+                cuda_memory=80 * GiB,
+            ),
+        )
     }
 )
 
