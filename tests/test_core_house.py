@@ -444,3 +444,20 @@ def test_a_schemes_round_state_lives_in_the_round_context() -> None:
     assert first.state(Gathered).nodes == [7, 9]
     assert second.state(Gathered).nodes == []
     assert first.state(list, lambda: [1]) == [1]
+
+
+def test_every_source_path_the_readme_and_docs_name_exists() -> None:
+    import re
+
+    pattern = re.compile(
+        r"\b((?:strategies|client_app|server_app|tessera|models|benchmarks|scripts)"
+        r"/[A-Za-z0-9_/.-]+\.(?:py|sh))\b"
+    )
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs" / "pages").rglob("*.md"))]
+    missing = {
+        (page.name, path)
+        for page in pages
+        for path in pattern.findall(page.read_text())
+        if not (ROOT / path).exists()
+    }
+    assert not missing, f"pages name files that do not exist: {sorted(missing)}"
