@@ -75,10 +75,10 @@ __all__ = [
     "STATE_MODEL_META",
     "STATE_NODE",
     "app",
-    "build_client",
     "evaluate",
     "handshake",
     "open_node_state",
+    "resolve",
     "train",
     "train_round",
 ]
@@ -279,14 +279,6 @@ def resolve(run_config: Any) -> tuple[RunConfig, ClientAlgorithm]:
 
     resolved = resolve_run(run_config)
     return resolved.run, resolved.scheme.client(run=resolved.run, options=resolved.options)
-
-
-def build_client(run: RunConfig, run_config: Any) -> ClientAlgorithm:
-    """Build the client algorithm of the scheme named by run-config ``strategy``."""
-    from strategies import get_scheme
-
-    scheme = get_scheme(run.strategy)
-    return scheme.client(run=run, options=scheme.parse_options(run_config))
 
 
 @app.query("handshake")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from client_app.app import build_client, handshake, train, train_round
+from client_app.app import handshake, resolve, train, train_round
 from server_app.app import build_server
 from strategies.core.client import ClientWrapper, Record, RoundInput, RoundOutcome
 from strategies.core.context import RoundContext
@@ -24,7 +24,7 @@ from strategies.core.strategy import HeteroStrategy, RunStoppedError
 from strategies.fedavg_groups import FedAvgGroupsStrategy
 from strategies.felo.knowledge import KNOWLEDGE, record_to_knowledge
 from tessera import wire
-from tessera.config import ConfigError, RunConfig
+from tessera.config import ConfigError
 from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
 from tests.conftest import TINY_DIGITS, FakeGrid, instruction, make_context, make_grid
@@ -322,8 +322,8 @@ class ShiftLabels(ClientWrapper):
 
 
 def wrapped_train(msg: Message, context: Context) -> Message:
-    run_cfg = RunConfig.from_flower(context.run_config)
-    return train_round(msg, context, ShiftLabels(build_client(run_cfg, context.run_config)))
+    _, client = resolve(context.run_config)
+    return train_round(msg, context, ShiftLabels(client))
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "felo"])
