@@ -154,6 +154,7 @@ def test_the_mean_is_the_same_bit_for_bit_whatever_order_the_updates_arrive_in(
     # Assert: float32 sums differed in the last bits between orders; float64 sums do not
     for out in results[1:]:
         np.testing.assert_array_equal(out, results[0])
+
     def float32_sum(order: tuple[int, ...]) -> np.ndarray:
         total = np.zeros(20_000, np.float32)
         for i in order:
