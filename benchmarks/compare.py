@@ -289,7 +289,7 @@ def family_floors(
         scheme = get_scheme(str(config["strategy"]))
         options = scheme.parse_options(config)
         run = RunConfig.from_flower(config)
-        family = run.model_family or scheme.family(options)
+        family = run.scheme.model_family or scheme.family(options)
         return tuple(scheme.client(run=run, options=options).candidate_archs(family))
 
     seen = {candidates(FLOOR): FLOOR}
@@ -905,7 +905,7 @@ def _check_run_config(
         try:
             run = RunConfig.from_flower(config)
             run.validate()
-            get_aggregator(run.aggregator)
+            get_aggregator(run.aggregation.aggregator)
             get_scheme(str(config["strategy"])).parse_options(config)
         except (ConfigError, ValueError) as err:
             raise ProtocolError(f"scheme {scheme}: {err}") from None

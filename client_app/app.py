@@ -124,9 +124,9 @@ def data_key(train: ArrayDataset) -> int:
 def partition_config(run: RunConfig) -> PartitionConfig:
     """Return the partitioner settings of the run."""
     return PartitionConfig(
-        scheme=run.partitioner,
-        alpha=run.dirichlet_alpha,
-        classes_per_client=run.classes_per_client,
+        scheme=run.data.partitioner,
+        alpha=run.data.dirichlet_alpha,
+        classes_per_client=run.data.classes_per_client,
         seed=run.seed,
     )
 
@@ -173,7 +173,7 @@ def load_node_data(
     if node.data_path is not None:
         own = node_local_data(
             node.data_path,
-            test_fraction=run.local_test_fraction,
+            test_fraction=run.data.local_test_fraction,
             seed=run.seed,
             cache_dir=cache_dir,
             expect_shape=expect_shape,
@@ -184,12 +184,12 @@ def load_node_data(
         )
     assert node.partition_id is not None and node.num_partitions is not None
     part = node_partition_data(
-        run.dataset,
+        run.data.dataset,
         partition_id=node.partition_id,
         num_partitions=node.num_partitions,
         partition=partition_config(run),
-        pool_fraction=run.server_pool_fraction,
-        test_fraction=run.local_test_fraction,
+        pool_fraction=run.data.server_pool_fraction,
+        test_fraction=run.data.local_test_fraction,
         cache_dir=cache_dir,
         load=load_bundle,  # looked up per call: tests and benchmarks replace it
         expect_shape=expect_shape,
@@ -303,14 +303,14 @@ def handshake(msg: Message, context: Context) -> Message:
     else:
         profile = resolve_profile(
             node.device_profile,
-            run.sim_device_profiles if simulated else None,
+            run.deployment.sim_device_profiles if simulated else None,
             node.partition_id,
             benchmark=True,
         )
-    family = run.model_family or get_scheme(run.strategy).family(algorithm.options)
+    family = run.scheme.model_family or get_scheme(run.scheme.strategy).family(algorithm.options)
     workload = Workload(
-        samples_per_round=len(data.train) * run.local_epochs,
-        batch_size=run.batch_size,
+        samples_per_round=len(data.train) * run.training.local_epochs,
+        batch_size=run.training.batch_size,
         input_shape=data.input_shape,
         num_classes=data.num_classes,
     )
@@ -324,15 +324,18 @@ def handshake(msg: Message, context: Context) -> Message:
             family,
             data.input_shape,
             data.num_classes,
-            norm=run.norm,
-            flat_input=run.flat_input,
+            norm=run.scheme.norm,
+            flat_input=run.scheme.flat_input,
             names=algorithm.candidate_archs(family),
         )
         choice = choose_architecture(
             profile,
             candidates,
             workload,
-            Budget(max_round_seconds=run.train_time_budget, memory_fraction=run.memory_fraction),
+            Budget(
+                max_round_seconds=run.training.train_time_budget,
+                memory_fraction=run.training.memory_fraction,
+            ),
         )
         arch, fits, reason = choice.name, choice.fits, choice.reason
         size_rank = next(c.size_rank for c in candidates if c.name == arch)
@@ -428,7 +431,11 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
         model,
         train_set,
         optim=OptimConfig(
-            run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
+            run.training.local_epochs,
+            run.training.batch_size,
+            run.training.learning_rate,
+            run.training.momentum,
+            run.training.weight_decay,
         ),
         device=device,
         seed=run.seed + 7919 * server_round + data.data_key,
@@ -467,7 +474,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         # there is nothing to report instead (Flower's strategies drop error replies)
         reason = (
             "this node has no local test split to evaluate on (run-config "
-            f"local-test-fraction={run.local_test_fraction:g}); raise it above 0"
+            f"local-test-fraction={run.data.local_test_fraction:g}); raise it above 0"
         )
         log.warning(reason)
         return Message(error=Error(code=EMPTY_TEST_SPLIT, reason=reason), reply_to=msg)

@@ -176,16 +176,16 @@ def attack_for(run: RunConfig, node: NodeConfig) -> AttackSpec | None:
     seed = run.seed + 104729 * (node.partition_id if node.partition_id is not None else 0)
     return AttackSpec(
         kind,
-        lam=run.attack_lambda,
-        scale=run.attack_scale,
-        noise=run.attack_noise,
+        lam=run.attack.lam,
+        scale=run.attack.scale,
+        noise=run.attack.noise,
         seed=seed,
-        z=run.attack_z,
-        epsilon=run.attack_epsilon,
-        perturbation=run.attack_perturbation,
-        magnitude=run.attack_magnitude,
-        inflate=run.attack_inflate,
-        clip_factor=run.clip_factor,
+        z=run.attack.z,
+        epsilon=run.attack.epsilon,
+        perturbation=run.attack.perturbation,
+        magnitude=run.attack.magnitude,
+        inflate=run.attack.inflate,
+        clip_factor=run.aggregation.clip_factor,
     )
 
 
@@ -300,7 +300,7 @@ class AttackClient(ClientWrapper):
                 for name, record in records.items()
             }
         if kind == "inflate" and isinstance(records.get(wire.METRICS), MetricRecord):
-            claimed = len(outcome.train) * self.spec.inflate * self.run.local_epochs
+            claimed = len(outcome.train) * self.spec.inflate * self.run.training.local_epochs
             metrics = dict(records[wire.METRICS])
             metrics[wire.NUM_EXAMPLES] = claimed
             records[wire.METRICS] = MetricRecord(metrics)  # type: ignore[arg-type]
@@ -384,7 +384,11 @@ class AttackClient(ClientWrapper):
             twin,
             shuffled,
             optim=OptimConfig(
-                run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
+                run.training.local_epochs,
+                run.training.batch_size,
+                run.training.learning_rate,
+                run.training.momentum,
+                run.training.weight_decay,
             ),
             device=outcome.device,
             seed=self.spec.seed + self._round,

@@ -31,10 +31,10 @@ app = ServerApp()
 
 def results_dir(run: RunConfig) -> Path:
     """``<output-dir>/<run-name>``; the run name defaults to strategy and time."""
-    name = run.run_name or (
-        f"{run.strategy}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+    name = run.deployment.run_name or (
+        f"{run.scheme.strategy}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
     )
-    return Path(run.output_dir).expanduser() / name
+    return Path(run.deployment.output_dir).expanduser() / name
 
 
 def _finite(value: Any) -> TypeGuard[float]:
@@ -119,15 +119,15 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
 
     resolved = resolve_run(run_config)
     run, scheme, options = resolved.run, resolved.scheme, resolved.options
-    family = run.model_family or scheme.family(options)
+    family = run.scheme.model_family or scheme.family(options)
     try:
         list_models(family)
     except ValueError as err:
         raise ConfigError(f"run-config 'model-family': {err}") from err
     if bundle is None:
-        bundle = load_bundle(run.dataset)
+        bundle = load_bundle(run.data.dataset)
     _, server_pool = split_server_pool(
-        bundle, pool_fraction=run.server_pool_fraction, seed=run.seed
+        bundle, pool_fraction=run.data.server_pool_fraction, seed=run.seed
     )
     env = ServerEnv(
         run=run,
@@ -138,9 +138,9 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
         family=family,
     )
     state: dict[str, Any] | None = None
-    if run.resume is not None:
+    if run.deployment.resume is not None:
         try:
-            writer, state = ResultsWriter.resume(Path(run.resume))
+            writer, state = ResultsWriter.resume(Path(run.deployment.resume))
         except CheckpointError as err:
             raise ConfigError(str(err)) from err
     else:
@@ -167,20 +167,22 @@ def main(grid: Grid, context: Context) -> None:
     run, env, writer, runner = server.env.run, server.env, server.writer, server.runner
     log.info(
         "Tessera: strategy %s, dataset %s (%d classes, input %s), family %s; results in %s%s",
-        run.strategy,
+        run.scheme.strategy,
         server.dataset_name,
         env.num_classes,
         env.input_shape,
         env.family,
         writer.directory,
-        f" (resuming after round {len(runner.rounds)})" if run.resume else "",
+        f" (resuming after round {len(runner.rounds)})" if run.deployment.resume else "",
     )
     try:
-        runner.start(grid, num_rounds=run.num_server_rounds, timeout=run.round_timeout)
+        runner.start(
+            grid, num_rounds=run.scheme.num_server_rounds, timeout=run.deployment.round_timeout
+        )
     finally:
         rounds = list(runner.rounds)
         summary = summarise(rounds, started)
-        summary["strategy"] = run.strategy
+        summary["strategy"] = run.scheme.strategy
         summary["results_dir"] = str(writer.directory)
         if runner.final_metrics:
             summary["end_of_run"] = dict(runner.final_metrics)
@@ -197,7 +199,8 @@ def main(grid: Grid, context: Context) -> None:
                 counts,
                 writer.directory / "label_distribution.png",
                 title=(
-                    f"{server.dataset_name}: {run.partitioner} partition ({len(ordered)} clients)"
+                    f"{server.dataset_name}: {run.data.partitioner} partition "
+                    f"({len(ordered)} clients)"
                 ),
             )
         log.info(

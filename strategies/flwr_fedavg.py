@@ -115,14 +115,16 @@ class FlowerFedAvgRunner:
             self.options.arch,
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
-            norm=self.env.run.norm,
-            flat_input=self.env.run.flat_input,
+            norm=self.env.run.scheme.norm,
+            flat_input=self.env.run.scheme.flat_input,
         )
 
     def start(self, grid: Grid, *, num_rounds: int, timeout: float) -> Result:
         """Run Flower's loop for ``num_rounds`` rounds."""
         nodes = wait_for_nodes(
-            grid, min_nodes=self.env.run.min_nodes, timeout=self.env.run.node_wait_timeout
+            grid,
+            min_nodes=self.env.run.deployment.min_nodes,
+            timeout=self.env.run.deployment.node_wait_timeout,
         )
         strategy = _RecordingFedAvg(
             min_available_nodes=len(nodes),

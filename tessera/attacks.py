@@ -51,10 +51,10 @@ def attacked_partitions(num_partitions: int, fraction: float, seed: int) -> list
 
 def attack_assignment(run: RunConfig, num_partitions: int) -> dict[int, str]:
     """Map each hostile partition to its attack (run-config ``attack`` dealt in turn)."""
-    if not run.attack:
+    if not run.attack.kinds:
         return {}
-    drawn = attacked_partitions(num_partitions, run.attack_fraction, run.seed)
-    return {p: run.attack[i % len(run.attack)] for i, p in enumerate(drawn)}
+    drawn = attacked_partitions(num_partitions, run.attack.fraction, run.seed)
+    return {p: run.attack.kinds[i % len(run.attack.kinds)] for i, p in enumerate(drawn)}
 
 
 def require_client_side(run: RunConfig) -> None:
@@ -72,7 +72,7 @@ def require_client_side(run: RunConfig) -> None:
         min-sum, Mimic): it forges its update from the honest updates of the round,
         which only the in-process harness can show it.
     """
-    omniscient = [a for a in run.attack if a in OMNISCIENT_ATTACKS]
+    omniscient = [a for a in run.attack.kinds if a in OMNISCIENT_ATTACKS]
     if omniscient:
         raise ConfigError(
             f"run-config key 'attack' names {', '.join(omniscient)}, which forge their "

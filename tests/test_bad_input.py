@@ -79,7 +79,10 @@ def test_run_config_memory_fraction_1e_10_selects_gracefully(
 ) -> None:
     # Prepare: the path of the ClientApp, run config -> Budget
     run = RunConfig.from_flower(run_config({"memory-fraction": 1e-10}))
-    budget = Budget(max_round_seconds=run.train_time_budget, memory_fraction=run.memory_fraction)
+    budget = Budget(
+        max_round_seconds=run.training.train_time_budget,
+        memory_fraction=run.training.memory_fraction,
+    )
 
     # Execute
     choice = choose_architecture(CPU_MEDIUM, FAMILY, WORKLOAD, budget)

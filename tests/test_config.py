@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,19 +27,21 @@ def test_defaults_parse(default_run_config: dict[str, Any]) -> None:
     cfg = RunConfig.from_flower(default_run_config)
 
     # Assert: every typed field equals the pyproject value
-    assert cfg.strategy == default_run_config["strategy"]
-    assert cfg.num_server_rounds == default_run_config["num-server-rounds"]
-    assert cfg.partitioner == default_run_config["partitioner"]
-    assert cfg.learning_rate == default_run_config["learning-rate"]
-    assert cfg.momentum == default_run_config["momentum"]
-    assert cfg.round_timeout == default_run_config["round-timeout"]
-    assert cfg.train_time_budget == default_run_config["train-time-budget"]
-    assert cfg.sim_device_profiles == tuple(default_run_config["sim-device-profiles"].split(","))
+    assert cfg.scheme.strategy == default_run_config["strategy"]
+    assert cfg.scheme.num_server_rounds == default_run_config["num-server-rounds"]
+    assert cfg.data.partitioner == default_run_config["partitioner"]
+    assert cfg.training.learning_rate == default_run_config["learning-rate"]
+    assert cfg.training.momentum == default_run_config["momentum"]
+    assert cfg.deployment.round_timeout == default_run_config["round-timeout"]
+    assert cfg.training.train_time_budget == default_run_config["train-time-budget"]
+    assert cfg.deployment.sim_device_profiles == tuple(
+        default_run_config["sim-device-profiles"].split(",")
+    )
     # empty strings in pyproject mean "not set"
     assert default_run_config["model-family"] == ""
-    assert cfg.model_family is None
+    assert cfg.scheme.model_family is None
     assert default_run_config["run-name"] == ""
-    assert cfg.run_name is None
+    assert cfg.deployment.run_name is None
 
 
 def test_every_declared_key_is_read_and_every_read_key_is_declared(
@@ -103,7 +106,7 @@ def test_partitioner_is_case_insensitive(run_config: RunConfigFactory) -> None:
     cfg = RunConfig.from_flower(run_config({"partitioner": "IID"}))
 
     # Assert
-    assert cfg.partitioner == "iid"
+    assert cfg.data.partitioner == "iid"
 
 
 def test_string_numbers_are_converted(run_config: RunConfigFactory) -> None:
@@ -114,10 +117,10 @@ def test_string_numbers_are_converted(run_config: RunConfigFactory) -> None:
     cfg = RunConfig.from_flower(config)
 
     # Assert
-    assert cfg.num_server_rounds == 3
-    assert cfg.learning_rate == 0.1
-    assert cfg.batch_size == 8
-    assert isinstance(cfg.batch_size, int)
+    assert cfg.scheme.num_server_rounds == 3
+    assert cfg.training.learning_rate == 0.1
+    assert cfg.training.batch_size == 8
+    assert isinstance(cfg.training.batch_size, int)
 
 
 @pytest.mark.parametrize(
@@ -370,9 +373,13 @@ def test_new_keys_parse_from_the_defaults(default_run_config: dict[str, Any]) ->
     cfg = RunConfig.from_flower(default_run_config)
 
     # Assert
-    assert (cfg.attack_z, cfg.attack_epsilon, cfg.attack_perturbation) == (0.0, 0.5, "std")
-    assert (cfg.attack_magnitude, cfg.attack_inflate) == (1e30, 1000)
-    assert (cfg.weight_cap, cfg.bound_growth, cfg.clip_ceiling) == (2.0, 2.0, 4.0)
+    assert (cfg.attack.z, cfg.attack.epsilon, cfg.attack.perturbation) == (0.0, 0.5, "std")
+    assert (cfg.attack.magnitude, cfg.attack.inflate) == (1e30, 1000)
+    assert (
+        cfg.aggregation.weight_cap,
+        cfg.aggregation.bound_growth,
+        cfg.aggregation.clip_ceiling,
+    ) == (2.0, 2.0, 4.0)
     assert cfg.to_dict()["weight-cap"] == 2.0
 
 
@@ -408,7 +415,7 @@ def test_zero_turns_weight_cap_and_clip_ceiling_off(run_config: RunConfigFactory
     cfg = RunConfig.from_flower(run_config({"weight-cap": 0, "clip-ceiling": 0}))
 
     # Assert
-    assert (cfg.weight_cap, cfg.clip_ceiling) == (0.0, 0.0)
+    assert (cfg.aggregation.weight_cap, cfg.aggregation.clip_ceiling) == (0.0, 0.0)
 
 
 def test_node_config_refuses_omniscient_attacks() -> None:
@@ -506,10 +513,43 @@ def test_flat_input_reaches_the_models_of_the_client_and_the_server(
     model = ClientAlgorithm(run=run, options=None).build_model(
         "cnn-2", input_shape=(40,), num_classes=3
     )
-    costs = candidate_costs("cnn", (40,), 3, norm=run.norm, flat_input=run.flat_input)
-    square = candidate_costs("cnn", (40,), 3, norm=run.norm, flat_input="square")
+    costs = candidate_costs("cnn", (40,), 3, norm=run.scheme.norm, flat_input=run.scheme.flat_input)
+    square = candidate_costs("cnn", (40,), 3, norm=run.scheme.norm, flat_input="square")
 
     # Assert: the run's form is used (case-insensitive); the two forms cost differently
     kinds = {type(m).__name__ for m in model.modules()}
     assert conv in kinds and ({"Conv1d", "Conv2d"} - {conv}).isdisjoint(kinds)
     assert (costs == square) is (form == "square")
+
+
+def test_the_run_config_groups_hold_every_common_key_once_as_the_docs_list_them(
+    default_run_config: dict[str, Any],
+) -> None:
+    import re
+    from dataclasses import fields
+
+    # Prepare: the docs' table of groups and keys
+    page = (Path(__file__).parent.parent / "docs/pages/configuration.md").read_text()
+    documented = {
+        m[1]: re.findall(r"`([a-z0-9-]+)`(?: \(`\w+`\))?", m[2])
+        for m in re.finditer(r"^\| `run\.(\w+)` \| (.+) \|$", page, flags=re.M)
+    }
+
+    # Execute
+    cfg = RunConfig.from_flower(default_run_config)
+    flat = cfg.to_dict()
+    grouped = {"seed": ["seed"]} | {
+        f.name: [key for key, _ in getattr(cfg, f.name).items()]
+        for f in fields(cfg)
+        if f.name != "seed"
+    }
+
+    # Assert: each key in one group, the flat record is their union, and the docs agree
+    keys = [k for ks in grouped.values() for k in ks]
+    assert len(keys) == len(set(keys)) == len(flat)
+    assert set(keys) == set(flat)
+    assert {g: sorted(ks) for g, ks in documented.items()} == {
+        g: sorted(ks) for g, ks in grouped.items()
+    }
+    assert flat["attack-lambda"] == cfg.attack.lam
+    assert flat["attack"] == list(cfg.attack.kinds)

@@ -301,8 +301,8 @@ def test_each_scheme_owns_its_normalisation_default_and_an_explicit_one_wins(
     chosen = resolve_run(run_config({"strategy": scheme, "norm": "group"}))
 
     # Assert
-    assert default.run.norm == norm
-    assert chosen.run.norm == "group"
+    assert default.run.scheme.norm == norm
+    assert chosen.run.scheme.norm == "group"
     assert default.scheme.name == scheme
 
 

@@ -136,7 +136,7 @@ FederationRunner = Callable[[str], Federation]
 
 def server_pool_x(fed: Federation, digits_bundle: Any) -> np.ndarray:
     _, pool = split_server_pool(
-        digits_bundle, pool_fraction=fed.server.env.run.server_pool_fraction, seed=42
+        digits_bundle, pool_fraction=fed.server.env.run.data.server_pool_fraction, seed=42
     )
     return pool.x
 

@@ -50,7 +50,9 @@ def run(
     grid = grid if grid is not None else make_grid(config, num_nodes)
     built = build_server(config, bundle=bundle)
     built.runner.start(
-        grid, num_rounds=built.env.run.num_server_rounds, timeout=built.env.run.round_timeout
+        grid,
+        num_rounds=built.env.run.scheme.num_server_rounds,
+        timeout=built.env.run.deployment.round_timeout,
     )
     return built.runner, grid
 

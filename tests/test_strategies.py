@@ -131,7 +131,9 @@ def run_federation(
     config = {**run_config, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
     built = build_server(config, bundle=bundle)
     server = built.runner
-    result = server.start(grid, num_rounds=num_rounds, timeout=built.env.run.round_timeout)
+    result = server.start(
+        grid, num_rounds=num_rounds, timeout=built.env.run.deployment.round_timeout
+    )
     return Federation(server, grid, result, run_dir)
 
 
@@ -792,7 +794,7 @@ def test_flwr_fedavg_rounds_can_be_plotted(
     config = {**config, "output-dir": str(tmp_path), "run-name": "r"}
     built = build_server(config, bundle=digits_bundle)
     runner, run = built.runner, built.env.run
-    runner.start(grid, num_rounds=1, timeout=run.round_timeout)
+    runner.start(grid, num_rounds=1, timeout=run.deployment.round_timeout)
     assert len(runner.rounds) == 1
     assert runner.rounds[0]["num_ok"] == 3
 

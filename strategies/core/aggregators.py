@@ -206,13 +206,13 @@ class AggregatorSettings:
     def from_run(cls, run: RunConfig) -> AggregatorSettings:
         """Take the settings from a parsed run config."""
         return cls(
-            clip_factor=run.clip_factor,
-            trim_fraction=run.trim_fraction,
-            krum_byzantine=run.krum_byzantine,
-            clip_norm=run.clip_norm,
-            growth=run.bound_growth,
-            ceiling=run.clip_ceiling,
-            threshold=run.trust_threshold,
+            clip_factor=run.aggregation.clip_factor,
+            trim_fraction=run.aggregation.trim_fraction,
+            krum_byzantine=run.aggregation.krum_byzantine,
+            clip_norm=run.aggregation.clip_norm,
+            growth=run.aggregation.bound_growth,
+            ceiling=run.aggregation.clip_ceiling,
+            threshold=run.aggregation.trust_threshold,
         )
 
 

@@ -184,8 +184,8 @@ class ClientAlgorithm:
             arch,
             input_shape=input_shape,
             num_classes=num_classes,
-            norm=self.run.norm,
-            flat_input=self.run.flat_input,
+            norm=self.run.scheme.norm,
+            flat_input=self.run.scheme.flat_input,
         )
 
     def load_weights(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> str:

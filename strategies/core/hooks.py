@@ -73,8 +73,8 @@ class SchemeHooks:
             arch,
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
-            norm=self.env.run.norm,
-            flat_input=self.env.run.flat_input,
+            norm=self.env.run.scheme.norm,
+            flat_input=self.env.run.scheme.flat_input,
         )
 
     def initial_arrays(self, arch: str) -> dict[str, np.ndarray]:
@@ -107,7 +107,7 @@ class SchemeHooks:
             not self.server_trust
             or len(pool) == 0
             or self.aggregator.name != "mean"
-            or run.clip_factor <= 0
+            or run.aggregation.clip_factor <= 0
         ):
             return None  # only the bounded mean checks directions
         model = self.build_model(arch)
@@ -115,7 +115,11 @@ class SchemeHooks:
             {k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False
         )
         optim = OptimConfig(
-            run.local_epochs, run.batch_size, run.learning_rate, run.momentum, run.weight_decay
+            run.training.local_epochs,
+            run.training.batch_size,
+            run.training.learning_rate,
+            run.training.momentum,
+            run.training.weight_decay,
         )
         round_seed = run.seed * 7919 + self.completed_round + 1
         train_model(
@@ -176,7 +180,9 @@ class SchemeHooks:
         """
         order = sorted(ctx.eligible, key=self._stable_order)
         run = self.env.run
-        want = max(run.min_train_nodes, math.ceil(run.fraction_train * len(order)))
+        want = max(
+            run.deployment.min_train_nodes, math.ceil(run.deployment.fraction_train * len(order))
+        )
         if want >= len(order):
             return order
         picked = ctx.rng.choice(len(order), size=want, replace=False)

@@ -57,7 +57,7 @@ class AttackObserver:
 
     def plan(self, table: NodeTable) -> dict[int, str]:
         """Return the hostile partitions and their attacks as the run config draws them."""
-        if not self.run.attack or not table.nodes:
+        if not self.run.attack.kinds or not table.nodes:
             return {}
         count = max([len(table.nodes)] + [i.partition_id + 1 for i in table.nodes.values()])
         return attack_assignment(self.run, count)
@@ -65,15 +65,15 @@ class AttackObserver:
     def document(self, table: NodeTable) -> dict[str, Any] | None:
         """Return the attack settings and plan for ``config.json`` (``None`` without one)."""
         run = self.run
-        if not run.attack:
+        if not run.attack.kinds:
             return None
         return {
-            "attacks": list(run.attack),
-            "fraction": run.attack_fraction,
+            "attacks": list(run.attack.kinds),
+            "fraction": run.attack.fraction,
             "partitions": {str(p): a for p, a in sorted(self.plan(table).items())},
-            "lambda": run.attack_lambda,
-            "scale": run.attack_scale,
-            "noise": run.attack_noise,
+            "lambda": run.attack.lam,
+            "scale": run.attack.scale,
+            "noise": run.attack.noise,
         }
 
     def attackers(self, table: NodeTable, selected: Mapping[int, str]) -> list[dict[str, Any]]:
@@ -98,7 +98,7 @@ class AttackObserver:
         ``attack_success_by_arch`` is each global model's accuracy on
         :meth:`flipped`, ``attack_success`` their mean.
         """
-        if "label-flip" not in self.run.attack:
+        if "label-flip" not in self.run.attack.kinds:
             return {}
         success = dict(score(self.flipped()))
         if not success:

@@ -117,11 +117,13 @@ class HeteroStrategy(SchemeHooks):
         self.aggregator = (
             aggregator
             if aggregator is not None
-            else get_aggregator(env.run.aggregator, AggregatorSettings.from_run(env.run))
+            else get_aggregator(
+                env.run.aggregation.aggregator, AggregatorSettings.from_run(env.run)
+            )
         )
-        self.server_trust = env.run.server_trust
+        self.server_trust = env.run.aggregation.server_trust
         """Run-config ``server-trust`` (see :meth:`pool_direction`)."""
-        self.weight_cap = env.run.weight_cap
+        self.weight_cap = env.run.aggregation.weight_cap
         """Run-config ``weight-cap`` (see :func:`strategies.core.validation.weight_caps`)."""
         self.federation = f"{self.name}-{uuid.uuid4().hex[:12]}"
         self.table = NodeTable()
@@ -197,11 +199,11 @@ class HeteroStrategy(SchemeHooks):
             "fraction-train %g, min-replies %d",
             self.name,
             self.env.family,
-            run.num_server_rounds,
-            run.round_timeout,
+            run.scheme.num_server_rounds,
+            run.deployment.round_timeout,
             self.aggregator.name,
-            run.fraction_train,
-            run.min_replies,
+            run.deployment.fraction_train,
+            run.deployment.min_replies,
         )
 
     def start(self, grid: Grid, *, num_rounds: int, timeout: float) -> Result:
@@ -233,9 +235,9 @@ class HeteroStrategy(SchemeHooks):
             log.info("resuming federation %s after round %d", self.federation, self.completed_round)
         wait_for_nodes(
             grid,
-            min_nodes=run.min_nodes,
-            timeout=run.node_wait_timeout,
-            retry_timeout=run.superlink_retry_timeout,
+            min_nodes=run.deployment.min_nodes,
+            timeout=run.deployment.node_wait_timeout,
+            retry_timeout=run.deployment.superlink_retry_timeout,
         )
         result = Result()
         log.info(TABLE_HEADER)
@@ -287,11 +289,11 @@ class HeteroStrategy(SchemeHooks):
             skip_reason=skip_reason,
         )
         self.commit_record(ctx, record)
-        if self.failed_streak >= self.env.run.max_failed_rounds:
+        if self.failed_streak >= self.env.run.deployment.max_failed_rounds:
             raise RunStoppedError(
                 f"{self.failed_streak} rounds in a row were skipped (max-failed-rounds="
-                f"{self.env.run.max_failed_rounds}); the last: {skip_reason}. Check the nodes' "
-                "logs and the 'failed'/'rejected' entries in metrics.jsonl"
+                f"{self.env.run.deployment.max_failed_rounds}); the last: {skip_reason}. "
+                "Check the nodes' logs and the 'failed'/'rejected' entries in metrics.jsonl"
             )
         return record
 
@@ -310,20 +312,21 @@ class HeteroStrategy(SchemeHooks):
         tick = time.monotonic()
         self._refresh_nodes(grid, timeout)
         ctx.timed("handshake", tick)
-        if len(self.assignment) >= run.min_nodes:
+        if len(self.assignment) >= run.deployment.min_nodes:
             return None
         if first_of_process:
             reasons = "; ".join(f"node {r.node_id}: {r.reason}" for r in self.table.rejections)
             raise RunStoppedError(
                 f"only {len(self.assignment)} node(s) can take part but min-nodes="
-                f"{run.min_nodes}; handshake problems: {reasons or 'none'}"
+                f"{run.deployment.min_nodes}; handshake problems: {reasons or 'none'}"
             )
         self._wait_for_eligible(grid, timeout)
-        if len(self.assignment) >= run.min_nodes:
+        if len(self.assignment) >= run.deployment.min_nodes:
             return None
         return (
             f"only {len(self.assignment)} node(s) can take part after waiting "
-            f"node-wait-timeout={run.node_wait_timeout:g}s, min-nodes={run.min_nodes}"
+            f"node-wait-timeout={run.deployment.node_wait_timeout:g}s, "
+            f"min-nodes={run.deployment.min_nodes}"
         )
 
     def select(self, ctx: RoundContext) -> None:
@@ -338,7 +341,7 @@ class HeteroStrategy(SchemeHooks):
         )
         ctx.limits = {
             n: ReplyLimits(
-                max_examples=self.nodes[n].num_train * run.local_epochs,
+                max_examples=self.nodes[n].num_train * run.training.local_epochs,
                 max_test_examples=self.nodes[n].num_test,
                 max_weight=caps[n],
             )
@@ -348,7 +351,7 @@ class HeteroStrategy(SchemeHooks):
 
     def build_messages(self, ctx: RoundContext) -> list[Message]:
         """Phase 3: one training message per trainer; their sizes go to ``ctx.bytes_down``."""
-        ttl = max(self.env.run.round_timeout * 2.0, 60.0)
+        ttl = max(self.env.run.deployment.round_timeout * 2.0, 60.0)
         messages = [
             Message(
                 content=self.node_content(ctx, node_id, arch),
@@ -375,7 +378,7 @@ class HeteroStrategy(SchemeHooks):
             messages,
             timeout=timeout,
             on_reply=lambda reply: self.receive(ctx, reply),
-            retry_timeout=run.superlink_retry_timeout,
+            retry_timeout=run.deployment.superlink_retry_timeout,
             bytes_down=ctx.bytes_down,
         )
         ctx.timed("exchange", tick)
@@ -384,12 +387,12 @@ class HeteroStrategy(SchemeHooks):
         ctx.failures = outcome.missing
         for node, reason in outcome.missing.items():
             log.warning("round %d: node %d failed: %s", ctx.server_round, node, reason)
-        if len(ctx.accepted) >= run.min_replies:
+        if len(ctx.accepted) >= run.deployment.min_replies:
             return None
         n = len(ctx.accepted)
         return (
             f"{n} accepted repl{'y' if n == 1 else 'ies'} of {len(ctx.assignment)} sent, "
-            f"min-replies={run.min_replies}"
+            f"min-replies={run.deployment.min_replies}"
         )
 
     def receive(self, ctx: RoundContext, reply: Message) -> None:
@@ -455,21 +458,21 @@ class HeteroStrategy(SchemeHooks):
         self.completed_round = ctx.server_round
         if self.results is not None:
             self.results.append_round(record)
-            every = self.env.run.checkpoint_every
+            every = self.env.run.deployment.checkpoint_every
             if every > 0 and (ctx.server_round % every == 0 or ctx.server_round == ctx.num_rounds):
                 self.results.write_checkpoint(self.state_dict())
         log.info(format_round_row(record, ctx.num_rounds))
 
     def _wait_for_eligible(self, grid: Grid, timeout: float) -> None:
         run = self.env.run
-        deadline = time.monotonic() + run.node_wait_timeout
+        deadline = time.monotonic() + run.deployment.node_wait_timeout
         log.warning(
             "only %d node(s) can take part, min-nodes=%d; waiting up to %gs for more",
             len(self.assignment),
-            run.min_nodes,
-            run.node_wait_timeout,
+            run.deployment.min_nodes,
+            run.deployment.node_wait_timeout,
         )
-        while len(self.assignment) < run.min_nodes and time.monotonic() < deadline:
+        while len(self.assignment) < run.deployment.min_nodes and time.monotonic() < deadline:
             time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
             self._refresh_nodes(grid, timeout)
 
@@ -481,7 +484,7 @@ class HeteroStrategy(SchemeHooks):
             federation=self.federation,
             num_classes=self.env.num_classes,
             timeout=timeout,
-            retry_timeout=self.env.run.superlink_retry_timeout,
+            retry_timeout=self.env.run.deployment.superlink_retry_timeout,
         )
         if changed and self.results is not None:
             self.results.write_config(self.config_document())

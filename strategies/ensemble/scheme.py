@@ -377,13 +377,13 @@ class EnsembleStrategy(FedAvgGroupsStrategy):
             alpha=np.asarray(self.kept["alpha"]),
             input_shape=self.env.input_shape,
             class_names=[str(j) for j in range(self.env.num_classes)],
-            norm=self.env.run.norm,
+            norm=self.env.run.scheme.norm,
             extra={
                 "optimizer": self.kept["optimizer"],
                 "round": self.kept["round"],
-                "dataset": self.env.run.dataset,
+                "dataset": self.env.run.data.dataset,
                 "federation": self.federation,
-                "model_kwargs": {"flat_input": self.env.run.flat_input},
+                "model_kwargs": {"flat_input": self.env.run.scheme.flat_input},
             },
         )
 

@@ -157,7 +157,8 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
     def _probes(self, server_round: int) -> bool:
         """Whether this round's replies feed a ``K_bar`` that a later round uses."""
         return (
-            server_round < self.env.run.num_server_rounds and self.options.eta(server_round + 1) > 0
+            server_round < self.env.run.scheme.num_server_rounds
+            and self.options.eta(server_round + 1) > 0
         )
 
     def _aligns(self, server_round: int) -> bool:
@@ -266,8 +267,8 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy):
             reps,
             self._weights(replies),
             kernel=self.options.kernel,
-            merge=run.knowledge_merge,
-            trim_fraction=run.trim_fraction,
+            merge=run.aggregation.knowledge_merge,
+            trim_fraction=run.aggregation.trim_fraction,
         )
         factored = factorise(exact, energy=self.options.kbar_energy, dtype=self.options.precision)
         if not bool(np.all(np.isfinite(factored.factor))):

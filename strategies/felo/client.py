@@ -54,8 +54,8 @@ class FeloClient(ClientAlgorithm):
             arch,
             input_shape=input_shape,
             num_classes=num_classes,
-            norm=self.run.norm,
-            flat_input=self.run.flat_input,
+            norm=self.run.scheme.norm,
+            flat_input=self.run.scheme.flat_input,
             options=self.felo,
         )
 

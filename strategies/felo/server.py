@@ -64,8 +64,8 @@ class FeloStrategy(HeteroStrategy):
             arch,
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
-            norm=self.env.run.norm,
-            flat_input=self.env.run.flat_input,
+            norm=self.env.run.scheme.norm,
+            flat_input=self.env.run.scheme.flat_input,
             options=self.felo,
         )
 
@@ -108,7 +108,7 @@ class FeloStrategy(HeteroStrategy):
             cap_counts(record_to_knowledge(r.content.array_records[KNOWLEDGE]), r.weight)
             for r in replies
         ]
-        parts, clips = bound_knowledge(received, run.knowledge_clip_factor)
+        parts, clips = bound_knowledge(received, run.aggregation.knowledge_clip_factor)
         for i, kind, norm, bound in clips:
             log.info(
                 "round %d: node %d's %s clipped from norm %.4g to %.4g (knowledge-clip-factor %g)",
@@ -117,10 +117,13 @@ class FeloStrategy(HeteroStrategy):
                 kind,
                 norm,
                 bound,
-                run.knowledge_clip_factor,
+                run.aggregation.knowledge_clip_factor,
             )
         merged = merge_knowledge(
-            parts, self.env.num_classes, rule=run.knowledge_merge, trim_fraction=run.trim_fraction
+            parts,
+            self.env.num_classes,
+            rule=run.aggregation.knowledge_merge,
+            trim_fraction=run.aggregation.trim_fraction,
         )
         saved = self.target_state()
         try:

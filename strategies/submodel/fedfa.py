@@ -175,13 +175,15 @@ class FedFAStrategy(SubModelStrategy):
             percentile=opts.percentile,
             trim=opts.trim,
             max_factor=opts.max_factor if opts.max_factor > 0 else math.inf,
-            clip_factor=self.env.run.clip_factor,
+            clip_factor=self.env.run.aggregation.clip_factor,
             previous=self.references,
             statistics=self.aggregator,
             previous_statistics=self.statistics_report,
             direction=self.pool_direction(self.global_name, self.global_state),
-            threshold=self.env.run.trust_threshold,
-            ceiling=self.env.run.clip_ceiling if self.env.run.clip_factor > 0 else 0.0,
+            threshold=self.env.run.aggregation.trust_threshold,
+            ceiling=self.env.run.aggregation.clip_ceiling
+            if self.env.run.aggregation.clip_factor > 0
+            else 0.0,
         )
 
     def fold_view(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -223,7 +225,7 @@ class FedFAStrategy(SubModelStrategy):
                 "(fedfa, trust-threshold %g)",
                 reply.node_id,
                 accumulator.dropped[-1][1],
-                self.env.run.trust_threshold,
+                self.env.run.aggregation.trust_threshold,
             )
         return without_arrays(reply)
 
@@ -270,7 +272,7 @@ class FedFAStrategy(SubModelStrategy):
                 clip["kind"],
                 clip["distance"],
                 clip["bound"],
-                self.env.run.clip_factor,
+                self.env.run.aggregation.clip_factor,
             )
         clipped += [  # dropped by the direction check (logged as they arrived)
             {
@@ -278,7 +280,7 @@ class FedFAStrategy(SubModelStrategy):
                 "arch": self.global_name,
                 "kind": DIRECTION,
                 "distance": cosine,
-                "bound": self.env.run.trust_threshold,
+                "bound": self.env.run.aggregation.trust_threshold,
             }
             for node, cosine in dropped
         ]
@@ -340,7 +342,7 @@ def validate_fedfa(run: RunConfig, options: FedFAOptions) -> None:
     ConfigError
         If run-config ``aggregator`` is not ``mean``.
     """
-    check_aggregator("fedfa", run.aggregator, ("mean",))
+    check_aggregator("fedfa", run.aggregation.aggregator, ("mean",))
 
 
 SCHEME = register_scheme(

@@ -279,7 +279,7 @@ def check_aggregator(scheme: str, aggregator: str, allowed: tuple[str, ...]) -> 
 
 def validate_submodel(run: RunConfig, options: SubModelOptions) -> None:
     """Refuse an aggregator the sub-model schemes cannot use (their ``validate`` hook)."""
-    check_aggregator(run.strategy, run.aggregator, COVERAGE_AGGREGATORS)
+    check_aggregator(run.scheme.strategy, run.aggregation.aggregator, COVERAGE_AGGREGATORS)
 
 
 class SubModelClient(ClientAlgorithm):
@@ -322,8 +322,8 @@ class SubModelClient(ClientAlgorithm):
             arch,
             input_shape=input_shape,
             num_classes=num_classes,
-            norm=self.run.norm,
-            flat_input=self.run.flat_input,
+            norm=self.run.scheme.norm,
+            flat_input=self.run.scheme.flat_input,
             **self.options.model_kwargs(),
         )
 
@@ -384,7 +384,7 @@ class SubModelStrategy(HeteroStrategy):
         self._index: dict[str, dict[str, Index]] = {}
         self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None]] = (-1, {})
         """``(completed round, {slice: the server's own update of it})``, a round's cache."""
-        if self.env.run.norm == "batch":
+        if self.env.run.scheme.norm == "batch":
             log.warning(
                 "%s with norm='batch': the server averages the slices' running statistics, "
                 "which fit no slice, so the global model may score near chance on the "
@@ -407,8 +407,8 @@ class SubModelStrategy(HeteroStrategy):
             arch,
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
-            norm=self.env.run.norm if norm is None else norm,
-            flat_input=self.env.run.flat_input,
+            norm=self.env.run.scheme.norm if norm is None else norm,
+            flat_input=self.env.run.scheme.flat_input,
             **self.options.model_kwargs(),
         )
 
@@ -582,7 +582,7 @@ class SubModelStrategy(HeteroStrategy):
         """Accuracy on ``data``; with ``norm="static-batch"`` statistics come from the pool."""
         from tessera.training import evaluate_model, recompute_batch_statistics
 
-        static = self.env.run.norm == "static-batch"
+        static = self.env.run.scheme.norm == "static-batch"
         model = self.build_model(arch, norm="batch" if static else None)
         model.load_state_dict(
             {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, strict=False

@@ -1,0 +1,43 @@
+"""The closed sets of values some run-config keys take, as ``Literal`` types."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Partitioner = Literal["iid", "dirichlet", "pathological"]
+PARTITIONERS: tuple[Partitioner, ...] = get_args(Partitioner)
+FlatInput = Literal["signal", "square"]
+FLAT_INPUTS: tuple[FlatInput, ...] = ("signal", "square")
+"""How convolutional models read flat ``(D,)`` samples (run-config ``flat-input``):
+as a one-channel signal of length ``D`` (1-d convolutions) or zero-padded and reshaped
+into a square one-channel image (2-d convolutions)."""
+KnowledgeMerge = Literal["mean", "median", "trimmed-mean"]
+KNOWLEDGE_MERGES: tuple[KnowledgeMerge, ...] = get_args(KnowledgeMerge)
+"""How per-client knowledge (class features/logits, kernels) is merged: run-config
+``knowledge-merge``."""
+ATTACKS = (
+    "label-flip",
+    "backdoor",
+    "boost",
+    "sign-flip",
+    "noise",
+    "free-rider",
+    "alie",
+    "ipm",
+    "min-max",
+    "min-sum",
+    "mimic",
+    "dense-scale",
+    "bound-riding",
+    "ratchet",
+    "inflate",
+)
+"""Hostile behaviours of the attack harness (run-config/node-config ``attack``)."""
+OMNISCIENT_ATTACKS = ("alie", "ipm", "min-max", "min-sum", "mimic")
+"""Attacks that forge their update from the honest updates of the round (as in the
+papers): only the in-process grid can show them those (:mod:`client_app.attacks`),
+so a real simulation or deployment refuses them. ``bound-riding`` is omniscient in
+the in-process grid and uses its own update elsewhere."""
+AttackPerturbation = Literal["std", "sign", "unit"]
+ATTACK_PERTURBATIONS: tuple[AttackPerturbation, ...] = get_args(AttackPerturbation)
+"""Min-max/min-sum perturbation directions (run-config ``attack-perturbation``)."""
