@@ -10,7 +10,7 @@ from flwr.app import RecordDict
 
 from strategies.core.client import ClientAlgorithm
 from strategies.core.context import RoundContext
-from strategies.core.groups import GroupModels, fold_weights
+from strategies.core.groups import GroupModels, GroupRound, fold_weights
 from strategies.core.registry import Scheme, no_options, register_scheme
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
@@ -45,16 +45,12 @@ class FedAvgGroupsStrategy(HeteroStrategy):
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Fold the reply's weights into its group's accumulator."""
-        return fold_weights(self.models, reply)
+        return fold_weights(self.models, ctx.state(GroupRound), reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Commit each group's aggregate."""
-        sizes = self.models.commit()
-        return {"group_sizes": sizes, "clipped": self.models.last_clips}
-
-    def discard(self, ctx: RoundContext) -> None:
-        """Keep the previous group models."""
-        self.models.discard()
+        done = self.models.commit(ctx.state(GroupRound))
+        return {"group_sizes": done.sizes, "clipped": done.clips}
 
     def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
         """One model per architecture group."""

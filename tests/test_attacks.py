@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from client_app.attacks import AttackSpec, attack_for, flip_labels, install_omniscient
+from client_app.attacks.client import flip_labels
+from client_app.attacks.omniscient import install_omniscient
+from client_app.attacks.spec import AttackSpec, attack_for
 from server_app.app import build_server
 from strategies.core.aggregation import AggregationError
 from strategies.core.aggregators import AccumulatorReport, Index, get_aggregator, lower_median
-from strategies.core.groups import GroupModels, NonFiniteStateError
+from strategies.core.groups import GroupModels, GroupRound, NonFiniteStateError
 from strategies.core.mean import MeanAccumulator
 from strategies.fedhenn.kbar import average_kernel
 from strategies.felo.knowledge import ClassKnowledge, bound_knowledge, merge_knowledge
@@ -105,11 +107,13 @@ def test_group_models_carry_the_median_across_rounds_and_checkpoints() -> None:
         type(get_aggregator("mean"))(clip_factor=3.0),  # type: ignore[call-arg]
         lambda arch: vec(0.0, 0.0),
     )
-    models.fold("a", vec(1.0, 0.0), 1.0, node=1)
-    models.fold("a", vec(0.0, 2.0), 1.0, node=2)
-    models.fold("a", vec(60.0, 80.0), 1.0, node=3)
-    assert models.commit() == {"a": 3}
-    assert [c["node"] for c in models.last_clips] == [3]
+    rnd = GroupRound()
+    models.fold(rnd, "a", vec(1.0, 0.0), 1.0, node=1)
+    models.fold(rnd, "a", vec(0.0, 2.0), 1.0, node=2)
+    models.fold(rnd, "a", vec(60.0, 80.0), 1.0, node=3)
+    done = models.commit(rnd)
+    assert done.sizes == {"a": 3}
+    assert [c["node"] for c in done.clips] == [3]
     assert models.reports["a"].medians == {"parameters": pytest.approx(2.0)}
     restored = GroupModels(models.aggregator, lambda arch: vec(0.0, 0.0))
     restored.load_state_dict(models.state_dict())
@@ -145,9 +149,10 @@ class NaNAggregator:
 
 def test_a_non_finite_aggregate_is_never_committed() -> None:
     models = GroupModels(NaNAggregator(), lambda arch: vec(1.0, 2.0))  # type: ignore[arg-type]
-    models.fold("a", vec(0.0, 0.0), 1.0)
+    rnd = GroupRound()
+    models.fold(rnd, "a", vec(0.0, 0.0), 1.0)
     with pytest.raises(NonFiniteStateError, match="non-finite"):
-        models.commit()
+        models.commit(rnd)
     np.testing.assert_array_equal(models.get("a")["w"], [1.0, 2.0])
 
 

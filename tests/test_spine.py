@@ -19,7 +19,7 @@ from strategies.core.exchange import (
     call_with_retries,
     is_transient,
 )
-from strategies.core.groups import GroupModels
+from strategies.core.groups import GroupModels, GroupRound
 from strategies.core.mean import MeanAccumulator
 from tessera import wire
 from tessera.checkpoint import CheckpointError, load_state, save_state
@@ -167,21 +167,22 @@ def test_aggregator_registry_is_loud() -> None:
         get_aggregator("nope")
 
 
-def test_group_models_commit_and_discard() -> None:
+def test_group_models_commit_a_round_and_a_dropped_round_leaves_them_unchanged() -> None:
     # Prepare
     models = GroupModels(get_aggregator("mean"), lambda arch: {"w": np.zeros(2, np.float32)})
+    first, second = GroupRound(), GroupRound()
 
-    # Execute: a committed round, then a discarded one
-    models.fold("a", {"w": np.array([2.0, 2.0], np.float32)}, 1.0)
-    models.fold("a", {"w": np.array([4.0, 8.0], np.float32)}, 1.0)
-    sizes = models.commit()
-    models.fold("a", {"w": np.array([100.0, 100.0], np.float32)}, 1.0)
-    models.discard()
+    # Execute: a committed round, then one whose round state is dropped
+    models.fold(first, "a", {"w": np.array([2.0, 2.0], np.float32)}, 1.0)
+    models.fold(first, "a", {"w": np.array([4.0, 8.0], np.float32)}, 1.0)
+    sizes = models.commit(first).sizes
+    models.fold(second, "a", {"w": np.array([100.0, 100.0], np.float32)}, 1.0)
+    del second
 
     # Assert
     assert sizes == {"a": 2}
     np.testing.assert_array_equal(models.get("a")["w"], np.array([3.0, 5.0], np.float32))
-    assert models.commit() == {}
+    assert models.commit(GroupRound()).sizes == {}
 
 
 # ----------------------------------------------------------------------- checkpoints

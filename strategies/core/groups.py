@@ -2,17 +2,19 @@
 
 :class:`GroupModels` is the weight-averaging component every weight-sharing scheme
 uses (``fedavg`` and ``fedprox`` with one group, ``fedavg-groups``, Felo's weight
-sharing, FedHeNN's homogeneous mode). Each round it opens one accumulator per group
-lazily, folds each accepted reply in as it arrives, and either commits the results
-(the round reached its quorum) or discards them (the global weights stay as they
-were).
+sharing, FedHeNN's homogeneous mode). It holds what outlives a round: the weights
+and each group's last report (its clip bound). What one round gathers, an
+accumulator per group opened lazily and who sent each update, is a
+:class:`GroupRound` in the round's context (``ctx.state(GroupRound)``): the round
+either commits it (it reached its quorum) or drops it with the context, and the
+global weights stay as they were.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,8 +43,40 @@ def non_finite_entries(arrays: Mapping[str, np.ndarray]) -> list[str]:
     ]
 
 
+@dataclass
+class GroupRound:
+    """What :class:`GroupModels` gathers during one round, kept in the round's context.
+
+    Attributes
+    ----------
+    pending : dict[str, Accumulator]
+        One accumulator per architecture group that received an update.
+    senders : dict[str, list[int | None]]
+        The node of each folded update, in folding order (names clipped updates).
+    """
+
+    pending: dict[str, Accumulator] = field(default_factory=dict)
+    senders: dict[str, list[int | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GroupCommit:
+    """What :meth:`GroupModels.commit` did.
+
+    Attributes
+    ----------
+    sizes : dict[str, int]
+        Updates folded per group.
+    clips : list[dict[str, Any]]
+        Updates clipped or dropped: node, arch, kind, distance, bound.
+    """
+
+    sizes: dict[str, int]
+    clips: list[dict[str, Any]]
+
+
 class GroupModels:
-    """One set of global weights per architecture, and this round's accumulators.
+    """One set of global weights per architecture, folded through the Aggregator seam.
 
     Parameters
     ----------
@@ -70,10 +104,6 @@ class GroupModels:
         self.arrays: dict[str, dict[str, np.ndarray]] = {}
         self.reports: dict[str, AccumulatorReport] = {}
         """Each group's last committed accumulator report (carries the clip bound)."""
-        self.last_clips: list[dict[str, Any]] = []
-        """Updates clipped in the last committed round: node, arch, distance, bound."""
-        self._pending: dict[str, Accumulator] = {}
-        self._senders: dict[str, list[int | None]] = {}
 
     def get(self, arch: str) -> dict[str, np.ndarray]:
         """Return the current global weights of ``arch`` (initialised on first use)."""
@@ -83,6 +113,7 @@ class GroupModels:
 
     def fold(
         self,
+        rnd: GroupRound,
         arch: str,
         update: Mapping[str, np.ndarray],
         weight: float,
@@ -91,12 +122,12 @@ class GroupModels:
         node: int | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Fold one accepted update of ``arch`` (sent by ``node``) into this round's accumulator.
+        """Fold one accepted update of ``arch`` (sent by ``node``) into ``rnd``'s accumulator.
 
         ``direction``: the server's own update of the slice the update was trained
         as (see :meth:`Accumulator.add`).
         """
-        if arch not in self._pending:
+        if arch not in rnd.pending:
             current = self.get(arch)
             toward = None if self.direction is None else self.direction(arch, current)
             if toward is None:
@@ -105,16 +136,16 @@ class GroupModels:
                 acc = self.aggregator.accumulator(
                     current, previous=self.reports.get(arch), direction=toward
                 )
-            self._pending[arch] = acc
-            self._senders[arch] = []
-        acc = self._pending[arch]
+            rnd.pending[arch] = acc
+            rnd.senders[arch] = []
+        acc = rnd.pending[arch]
         before = acc.count
         if direction is None:
             acc.add(update, weight, index=index)
         else:
             acc.add(update, weight, index=index, direction=direction)
         if acc.count > before:
-            self._senders[arch].append(node)
+            rnd.senders[arch].append(node)
 
     def check(
         self,
@@ -135,11 +166,16 @@ class GroupModels:
         """
         check_update(self.get(arch), update, index)
 
-    def commit(self) -> dict[str, int]:
-        """Replace each group's weights by its aggregate; return updates per group.
+    def commit(self, rnd: GroupRound) -> GroupCommit:
+        """Replace each group's weights by its aggregate in ``rnd``.
 
         Every aggregate is computed and checked before any is kept, so the commit is
         all or nothing.
+
+        Returns
+        -------
+        GroupCommit
+            Updates per group, and the updates clipped or dropped.
 
         Raises
         ------
@@ -148,23 +184,22 @@ class GroupModels:
         """
         results: dict[str, dict[str, np.ndarray]] = {}
         reports: dict[str, AccumulatorReport] = {}
-        for arch, acc in sorted(self._pending.items()):
+        for arch, acc in sorted(rnd.pending.items()):
             if acc.count > 0:
                 results[arch] = acc.result()
                 reports[arch] = acc.report()
                 bad = non_finite_entries(results[arch])
                 if bad:
-                    self.discard()
                     raise NonFiniteStateError(
                         f"the aggregate of '{arch}' has non-finite values in {bad[:3]}; "
                         "it is not shipped and the group keeps its weights"
                     )
-        self.last_clips = []
+        clips: list[dict[str, Any]] = []
         for arch, report in reports.items():
-            senders = self._senders.get(arch, [])
+            senders = rnd.senders.get(arch, [])
             for clip in report.clips:
                 node = senders[clip.position] if clip.position < len(senders) else None
-                self.last_clips.append(
+                clips.append(
                     {
                         "node": node,
                         "arch": arch,
@@ -193,16 +228,9 @@ class GroupModels:
                     self.aggregator.name,
                 )
             self.reports[arch] = report
-        sizes = {arch: self._pending[arch].count for arch in results}
+        sizes = {arch: rnd.pending[arch].count for arch in results}
         self.arrays.update(results)
-        self._pending = {}
-        self._senders = {}
-        return sizes
-
-    def discard(self) -> None:
-        """Drop this round's accumulators; the global weights stay unchanged."""
-        self._pending = {}
-        self._senders = {}
+        return GroupCommit(sizes=sizes, clips=clips)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the global weights and each group's median distance, for a checkpoint."""
@@ -285,8 +313,6 @@ class GroupModels:
             raise refusal(state, err) from err
         self.arrays = arrays
         self.reports = reports
-        self._pending = {}
-        self._senders = {}
 
 
 def without_arrays(reply: ClientReply) -> ClientReply:
@@ -295,7 +321,7 @@ def without_arrays(reply: ClientReply) -> ClientReply:
     return replace(reply, arrays=None, content=content)
 
 
-def fold_weights(models: GroupModels, reply: ClientReply) -> ClientReply:
+def fold_weights(models: GroupModels, rnd: GroupRound, reply: ClientReply) -> ClientReply:
     """Fold a validated reply's weights (at its capped :attr:`ClientReply.weight`); drop them.
 
     Raises
@@ -305,5 +331,5 @@ def fold_weights(models: GroupModels, reply: ClientReply) -> ClientReply:
     """
     if reply.arrays is None:
         raise ValueError(f"node {reply.node_id} sent no weights")
-    models.fold(reply.arch, reply.arrays, reply.weight, node=reply.node_id)
+    models.fold(rnd, reply.arch, reply.arrays, reply.weight, node=reply.node_id)
     return without_arrays(reply)

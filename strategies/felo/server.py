@@ -18,7 +18,7 @@ from flwr.app import RecordDict
 from torch import nn
 
 from strategies.core.context import RoundContext
-from strategies.core.groups import GroupModels, NonFiniteStateError, fold_weights
+from strategies.core.groups import GroupModels, GroupRound, NonFiniteStateError, fold_weights
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.felo.knowledge import (
@@ -93,7 +93,9 @@ class FeloStrategy(HeteroStrategy):
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Fold the weights (when shared) into the group's accumulator."""
-        return fold_weights(self.models, reply) if self.felo.share_weights else reply
+        if not self.felo.share_weights:
+            return reply
+        return fold_weights(self.models, ctx.state(GroupRound), reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Bound and merge the class knowledge, make the targets, commit the group models.
@@ -136,11 +138,11 @@ class FeloStrategy(HeteroStrategy):
             if bad:
                 raise NonFiniteStateError(f"the class targets' {' and '.join(bad)} are not finite")
             if self.felo.share_weights:
-                extra["group_sizes"] = self.models.commit()
-                extra["clipped"] = self.models.last_clips
+                done = self.models.commit(ctx.state(GroupRound))
+                extra["group_sizes"] = done.sizes
+                extra["clipped"] = done.clips
         except (ValueError, ArithmeticError):
             self.restore_target_state(saved)
-            self.models.discard()
             raise
         self.targets = targets
         extra["knowledge_clipped"] = [
@@ -157,10 +159,6 @@ class FeloStrategy(HeteroStrategy):
 
     def restore_target_state(self, saved: Any) -> None:
         """Undo :meth:`make_targets` (see :meth:`target_state`)."""
-
-    def discard(self, ctx: RoundContext) -> None:
-        """Keep the previous group models and targets."""
-        self.models.discard()
 
     def make_targets(
         self, server_round: int, parts: Sequence[ClassKnowledge], merged: ClassKnowledge

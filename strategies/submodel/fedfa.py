@@ -66,7 +66,12 @@ import numpy as np
 from strategies.core.aggregation import AggregationError
 from strategies.core.aggregators import DIRECTION, AccumulatorReport
 from strategies.core.context import RoundContext
-from strategies.core.groups import NonFiniteStateError, non_finite_entries, without_arrays
+from strategies.core.groups import (
+    GroupRound,
+    NonFiniteStateError,
+    non_finite_entries,
+    without_arrays,
+)
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply
 from strategies.submodel.aggregate import ScalableAccumulator, Target, Trim
@@ -202,7 +207,14 @@ class FedFAStrategy(SubModelStrategy):
         index = coverage_index(self.global_state, grafted)
         weight = reply.weight if self.options.weighted else 1.0
         if not self.options.scaling:
-            self.models.fold(self.global_name, grafted, weight, index=index, node=reply.node_id)
+            self.models.fold(
+                ctx.state(GroupRound),
+                self.global_name,
+                grafted,
+                weight,
+                index=index,
+                node=reply.node_id,
+            )
             return without_arrays(reply)
         state = ctx.state(FedFARound)
         if state.accumulator is None:
@@ -292,10 +304,6 @@ class FedFAStrategy(SubModelStrategy):
             "unreferenced_layers": accumulator.unreferenced,
             "clipped": clipped,
         }
-
-    def discard(self, ctx: RoundContext) -> None:
-        """Drop this round's aggregate (it goes with ``ctx``); the global model stays."""
-        super().discard(ctx)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the sub-model state plus the layers' references and the statistics' scale."""

@@ -39,7 +39,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.context import RoundContext
-from strategies.core.groups import non_finite_entries, without_arrays
+from strategies.core.groups import GroupRound, non_finite_entries, without_arrays
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ArraySpec, ClientReply
 from strategies.submodel.scheme import (
@@ -212,7 +212,7 @@ class FlexiFedStrategy(SubModelStrategy):
                 personal[key] = value
             targets.setdefault(group, {})[key] = value
         for group, update in sorted(targets.items()):
-            self.models.fold(group, update, weight, node=reply.node_id)
+            self.models.fold(ctx.state(GroupRound), group, update, weight, node=reply.node_id)
         if personal:
             ctx.state(PendingPersonal).entries[reply.node_id] = personal
         return without_arrays(reply)
@@ -226,10 +226,6 @@ class FlexiFedStrategy(SubModelStrategy):
         out = super().aggregate(ctx, replies)
         self.personal.update(pending)
         return out
-
-    def discard(self, ctx: RoundContext) -> None:
-        """Keep every model and personal entry as it was (the round's go with ``ctx``)."""
-        super().discard(ctx)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the base state plus the personal entries."""

@@ -42,7 +42,7 @@ from models.spec import Layout, SubModelSpec, slice_name, split_name
 from strategies.core.aggregators import Index
 from strategies.core.client import ClientAlgorithm, RoundInput
 from strategies.core.context import RoundContext
-from strategies.core.groups import GroupModels, without_arrays
+from strategies.core.groups import GroupModels, GroupRound, without_arrays
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.submodel.extract import extract
@@ -526,7 +526,9 @@ class SubModelStrategy(HeteroStrategy):
         if private:  # folded whole or not at all: check the second part before the first
             self.models.check(reply.arch, {k: v for k, v in reply.arrays.items() if k in private})
         own = self.slice_direction(reply.arch)
+        rnd = ctx.state(GroupRound)
         self.models.fold(
+            rnd,
             self.global_name,
             shared,
             weight,
@@ -536,17 +538,13 @@ class SubModelStrategy(HeteroStrategy):
         )
         if private:
             own = {k: v for k, v in reply.arrays.items() if k in private}
-            self.models.fold(reply.arch, own, weight, node=reply.node_id)
+            self.models.fold(rnd, reply.arch, own, weight, node=reply.node_id)
         return without_arrays(reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Commit this round's aggregate; record how many slices of each kind were folded."""
-        self.models.commit()
-        return {"slices": slice_counts(replies), "clipped": self.models.last_clips}
-
-    def discard(self, ctx: RoundContext) -> None:
-        """Keep the previous global model."""
-        self.models.discard()
+        done = self.models.commit(ctx.state(GroupRound))
+        return {"slices": slice_counts(replies), "clipped": done.clips}
 
     # -------------------------------------------------------------- evaluation
     def evaluated_models(self) -> dict[str, dict[str, np.ndarray]]:
