@@ -214,7 +214,7 @@ def extreme_slices(variant: str) -> tuple[str, str]:
     """Return the (smallest, full) slice names ``variant`` allows on the global model."""
     from models.slicing import family_layout, full_spec
     from models.spec import slice_name
-    from strategies.submodel.scheme import DEFAULT_WIDTHS, candidate_specs
+    from strategies.submodel.options import DEFAULT_WIDTHS, candidate_specs
 
     width, depth = slice_axes(variant)
     full = full_spec(GLOBAL_MODEL)

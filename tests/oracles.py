@@ -16,7 +16,8 @@ import numpy as np
 from strategies.core.aggregation import AggregationError
 from strategies.core.aggregators import Index
 from strategies.core.mean import MeanAccumulator
-from strategies.submodel.aggregate import (
+from strategies.submodel.extract import coverage_index
+from strategies.submodel.norms import (
     TARGETS,
     Target,
     Trim,
@@ -25,7 +26,6 @@ from strategies.submodel.aggregate import (
     norms_of,
     reference_norm,
 )
-from strategies.submodel.extract import coverage_index
 
 
 def _weights(count: int, weights: Sequence[float] | None) -> list[float]:

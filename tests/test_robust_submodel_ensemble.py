@@ -23,7 +23,7 @@ from strategies.core.nodes import NodeInfo
 from strategies.core.validation import ClientReply
 from strategies.ensemble.weights import output_problem
 from strategies.submodel import ScalableAccumulator
-from strategies.submodel.aggregate import effective_norm, reference_norm
+from strategies.submodel.norms import effective_norm, reference_norm
 from tessera import wire
 from tests.conftest import TINY_DIGITS, make_grid
 from tests.oracles import scalable_aggregate

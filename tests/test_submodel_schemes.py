@@ -98,7 +98,7 @@ def test_with_every_node_on_the_full_model_the_scheme_is_fedavg(
 
 # --------------------------------------------------------------------------- pieces by hand
 def test_depth_levels_cut_every_section_to_k_blocks_and_no_further_than_allowed() -> None:
-    from strategies.submodel.scheme import depth_levels
+    from strategies.submodel.options import depth_levels
 
     assert depth_levels((3, 3, 3, 3), 2) == [(3, 3, 3, 3), (2, 2, 2, 2)]
     assert depth_levels((1, 2, 3, 4, 3, 3, 1), 2) == [
@@ -111,7 +111,7 @@ def test_depth_levels_cut_every_section_to_k_blocks_and_no_further_than_allowed(
 
 def test_candidate_specs_follow_what_the_scheme_slices() -> None:
     from models.spec import SubModelSpec
-    from strategies.submodel.scheme import candidate_specs
+    from strategies.submodel.options import candidate_specs
 
     full = SubModelSpec(1.0, (3, 3))
     both = candidate_specs(full, 2, (0.5, 0.25), width=True, depth=True)
@@ -129,7 +129,7 @@ def test_masked_cross_entropy_ignores_absent_classes() -> None:
 
     import torch
 
-    from strategies.submodel.scheme import masked_cross_entropy
+    from strategies.submodel.client import masked_cross_entropy
 
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     model = torch.nn.Identity()
@@ -145,7 +145,7 @@ def test_masked_cross_entropy_ignores_absent_classes() -> None:
 def test_the_scaler_divides_convolutions_by_the_width_in_training_only() -> None:
     import torch
 
-    from strategies.submodel.scheme import attach_scaler
+    from strategies.submodel.client import attach_scaler
 
     conv = torch.nn.Conv2d(1, 1, 1, bias=False)
     torch.nn.init.ones_(conv.weight)

@@ -15,6 +15,14 @@ schemes (HeteroFL, FlexiFed, NeFL, FedFA):
   (:func:`reference_norm`, :func:`effective_norm`), are in
   :mod:`~strategies.submodel.aggregate`; the list form it is tested against is a
   test oracle, ``tests/oracles.py``).
+
+What the four schemes share besides the maths, one concern a module:
+:mod:`~strategies.submodel.options` (run-config ``submodel-*`` and the slices a
+scheme allows), :mod:`~strategies.submodel.client` (masked cross-entropy, the
+scaler, the node's slice) and :mod:`~strategies.submodel.server` (the strategy that
+sends slices and folds them back by coverage). Each scheme has its own module:
+:mod:`~strategies.submodel.heterofl`, :mod:`~strategies.submodel.flexifed`,
+:mod:`~strategies.submodel.nefl` and :mod:`~strategies.submodel.fedfa`.
 """
 
 from models.spec import (
@@ -26,14 +34,10 @@ from models.spec import (
     sub_channels,
     sub_shape,
 )
-from strategies.submodel.aggregate import (
-    ScalableAccumulator,
-    effective_norm,
-    reference_norm,
-    trimmed_norm,
-)
+from strategies.submodel.aggregate import ScalableAccumulator
 from strategies.submodel.extract import coverage_index, extract, prefix_index, roll_channels
 from strategies.submodel.graft import graft
+from strategies.submodel.norms import effective_norm, reference_norm, trimmed_norm
 
 __all__ = [
     "Layout",

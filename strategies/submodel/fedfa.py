@@ -74,16 +74,13 @@ from strategies.core.groups import (
 )
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply
-from strategies.submodel.aggregate import ScalableAccumulator, Target, Trim
+from strategies.submodel.aggregate import ScalableAccumulator
+from strategies.submodel.client import SubModelClient
 from strategies.submodel.extract import coverage_index
 from strategies.submodel.graft import graft
-from strategies.submodel.scheme import (
-    SubModelClient,
-    SubModelOptions,
-    SubModelStrategy,
-    check_aggregator,
-    slice_counts,
-)
+from strategies.submodel.norms import Target, Trim
+from strategies.submodel.options import SubModelOptions, check_aggregator
+from strategies.submodel.server import SubModelStrategy, slice_counts
 from tessera.config import ConfigError, ConfigReader, RunConfig
 
 log = logging.getLogger("flwr.tessera")

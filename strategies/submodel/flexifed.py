@@ -42,12 +42,9 @@ from strategies.core.context import RoundContext
 from strategies.core.groups import GroupRound, non_finite_entries, without_arrays
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ArraySpec, ClientReply
-from strategies.submodel.scheme import (
-    SubModelClient,
-    SubModelOptions,
-    SubModelStrategy,
-    validate_submodel,
-)
+from strategies.submodel.client import SubModelClient
+from strategies.submodel.options import SubModelOptions, validate_submodel
+from strategies.submodel.server import SubModelStrategy
 from tessera import wire
 from tessera.config import ConfigError, ConfigReader
 

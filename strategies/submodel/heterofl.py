@@ -7,7 +7,7 @@ whose slice covers it, weighted by their examples, and elements nobody covered k
 their value. Masked cross-entropy (``submodel-mask-classes``), the scaler
 (``submodel-scaler``) and static batch norm (``norm="static-batch"``: statistics
 recomputed on server data before every evaluation) are HeteroFL's; all are in
-:mod:`strategies.submodel.scheme`. The coverage average goes through the injected
+:mod:`strategies.submodel.server`. The coverage average goes through the injected
 :class:`~strategies.core.aggregators.Aggregator`, so the default update bound (``clip-factor``)
 and the robust aggregators that support coverage apply.
 
@@ -29,13 +29,10 @@ from typing import Any
 from strategies.core.context import RoundContext
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply
+from strategies.submodel.client import SubModelClient
 from strategies.submodel.extract import roll_channels
-from strategies.submodel.scheme import (
-    SubModelClient,
-    SubModelOptions,
-    SubModelStrategy,
-    validate_submodel,
-)
+from strategies.submodel.options import SubModelOptions, validate_submodel
+from strategies.submodel.server import SubModelStrategy
 from tessera.config import ConfigReader
 
 

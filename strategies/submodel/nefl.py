@@ -4,7 +4,7 @@ Nodes train slices of one global model in width and depth. NeFL splits a slice's
 parameters into *consistent* ones, shared by every slice that holds them and
 averaged by coverage, and *inconsistent* ones that belong to one sub-model,
 averaged only among the nodes that train the same slice
-(:meth:`~strategies.submodel.scheme.SubModelStrategy.private_keys`):
+(:meth:`~strategies.submodel.server.SubModelStrategy.private_keys`):
 
 - the normalisation layers (batch-norm weight, bias and statistics);
 - the learnable step sizes of the residual blocks (run-config
@@ -26,13 +26,9 @@ from typing import Any
 
 from models.layers import BLOCK_STEP
 from strategies.core.registry import Scheme, register_scheme
-from strategies.submodel.scheme import (
-    SubModelClient,
-    SubModelOptions,
-    SubModelStrategy,
-    norm_entries,
-    validate_submodel,
-)
+from strategies.submodel.client import SubModelClient, norm_entries
+from strategies.submodel.options import SubModelOptions, validate_submodel
+from strategies.submodel.server import SubModelStrategy
 from tessera.config import ConfigReader
 
 

@@ -29,330 +29,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import RecordDict
-from torch import nn
 
-from models.base import TesseraModel
 from models.spec import Layout, SubModelSpec, slice_name, split_name
 from strategies.core.aggregators import Index
-from strategies.core.client import ClientAlgorithm, RoundInput
 from strategies.core.context import RoundContext
 from strategies.core.groups import GroupModels, GroupRound, without_arrays
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.submodel.extract import extract
+from strategies.submodel.options import (
+    COVERAGE_AGGREGATORS,
+    candidate_specs,
+    check_aggregator,
+    resolve_global,
+)
 from tessera import wire
-from tessera.config import ConfigError, ConfigReader, RunConfig
 from tessera.data import ArrayDataset
-from tessera.node_state import NodeState
-from tessera.training import LossFn
 
 log = logging.getLogger("flwr.tessera")
 
 __all__ = [
-    "DEFAULT_WIDTHS",
-    "SubModelClient",
-    "SubModelOptions",
     "SubModelStrategy",
-    "attach_scaler",
-    "candidate_specs",
-    "depth_levels",
-    "masked_cross_entropy",
-    "norm_entries",
-    "resolve_global",
     "slice_counts",
 ]
-
-COVERAGE_AGGREGATORS = ("mean", "norm-clip")
-"""Aggregators that fold partial (sliced) updates by coverage; the buffered robust
-rules (median, trimmed mean, Krum) compare whole updates and refuse slices."""
-
-DEFAULT_WIDTHS = (1.0, 0.5, 0.25, 0.125)
-"""HeteroFL's width levels a-d (``submodel-widths``)."""
-
-
-def _parse_widths(text: str) -> tuple[float, ...]:
-    try:
-        widths = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        widths = []
-    if not widths or any(not 0 < w <= 1 for w in widths) or len(set(widths)) != len(widths):
-        raise ConfigError(
-            f"run-config 'submodel-widths' is {text!r}; give distinct width ratios in "
-            f"(0, 1] separated by commas, e.g. '1,0.5,0.25,0.125'"
-        )
-    return tuple(sorted(widths, reverse=True))
-
-
-@dataclass(frozen=True)
-class SubModelOptions:
-    """Options every sub-model scheme reads (run-config ``submodel-*``).
-
-    Attributes
-    ----------
-    global_model : str or None
-        Registered sectioned model to slice (``submodel-global``); None: the
-        family's smallest sectioned model.
-    widths : tuple[float, ...]
-        Width ratios a node may train (``submodel-widths``), largest first.
-    mask_classes : bool
-        Mask the logits of classes absent from a node's training data in its loss
-        (``submodel-mask-classes``, default true; HeteroFL's masked cross-entropy).
-    scaler : bool
-        Divide every convolution's output by the width ratio in training
-        (``submodel-scaler``, default true; HeteroFL's scaler).
-    width_flexible, depth_flexible : bool
-        Whether a node may cut its slice in width, in depth: the scheme's own, not
-        run-config keys (each scheme's options class sets its defaults).
-    """
-
-    global_model: str | None = None
-    widths: tuple[float, ...] = DEFAULT_WIDTHS
-    mask_classes: bool = True
-    scaler: bool = True
-    width_flexible: bool = True
-    depth_flexible: bool = True
-
-    @classmethod
-    def read(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
-        """Return the common options as keyword arguments (for subclasses' ``parse``)."""
-        r = ConfigReader(run_config, "run-config")
-        global_model = r.optional_str("submodel-global")
-        if global_model is not None:
-            from models.slicing import global_config
-
-            try:
-                global_config(global_model)
-            except ValueError as err:
-                raise ConfigError(f"run-config 'submodel-global': {err}") from None
-        return {
-            "global_model": global_model,
-            "widths": _parse_widths(r.get("submodel-widths", str, "1,0.5,0.25,0.125")),
-            "mask_classes": r.get("submodel-mask-classes", bool, True),
-            "scaler": r.get("submodel-scaler", bool, True),
-        }
-
-    @classmethod
-    def parse(cls, run_config: Mapping[str, Any]) -> SubModelOptions:
-        """Read the options from the run config."""
-        return cls(**cls.read(run_config))
-
-    def model_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments of :func:`models.get_model` for every slice (none).
-
-        Client and server build their models with these, so both build the same
-        architecture (NeFL adds ``block_step``).
-        """
-        return {}
-
-
-def resolve_global(name: str | None, family: str) -> str:
-    """Return the global model: ``name``, or the smallest sectioned model of ``family``.
-
-    Raises
-    ------
-    ConfigError
-        If ``family`` has no sectioned model (nothing to slice).
-    """
-    from models import list_models, model_entry
-    from models.slicing import SectionedConfig
-
-    if name:
-        return name
-    for model in list_models(family):
-        if isinstance(model_entry(model).config, SectionedConfig):
-            return model
-    raise ConfigError(
-        f"model family '{family}' has no model with sections to slice; set run-config "
-        f"'model-family' to 'preresnet' or 'mobilenetv2' (or leave it empty), or name "
-        f"one with 'submodel-global'"
-    )
-
-
-def depth_levels(depths: Sequence[int], min_depth: int) -> list[tuple[int, ...]]:
-    """Return the depth slices of a global model, deepest first.
-
-    Level ``k`` keeps ``min(D_s, k)`` blocks of section ``s`` (at least
-    ``min(min_depth, D_s)``), for ``k`` from the deepest section down to
-    ``min_depth``; repeated levels are listed once.
-
-    Examples
-    --------
-    >>> depth_levels((1, 2, 3, 4, 3, 3, 1), 2)
-    [(1, 2, 3, 4, 3, 3, 1), (1, 2, 3, 3, 3, 3, 1), (1, 2, 2, 2, 2, 2, 1)]
-    """
-    levels: list[tuple[int, ...]] = []
-    for k in range(max(depths), min_depth - 1, -1):
-        level = tuple(max(min(d, k), min(min_depth, d)) for d in depths)
-        if level not in levels:
-            levels.append(level)
-    return levels or [tuple(depths)]
-
-
-def candidate_specs(
-    full: SubModelSpec, min_depth: int, widths: Sequence[float], *, width: bool, depth: bool
-) -> list[SubModelSpec]:
-    """Return the slices a scheme allows: widths x depth levels, largest first.
-
-    Parameters
-    ----------
-    full : SubModelSpec
-        The global model's spec (width 1, every block).
-    min_depth : int
-        Fewest blocks a section keeps (:attr:`models.spec.Layout.min_depth`).
-    widths : Sequence[float]
-        Width ratios (used when ``width``).
-    width, depth : bool
-        Whether the scheme slices in width and in depth.
-    """
-    ws = sorted(set(widths) | {1.0}, reverse=True) if width else [1.0]
-    ds = depth_levels(full.depths, min_depth) if depth else [full.depths]
-    return [SubModelSpec(w, d) for w in ws for d in ds]
-
-
-def norm_entries(model: nn.Module) -> frozenset[str]:
-    """Return the state-dict keys that belong to normalisation layers of ``model``."""
-    kinds = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
-    keys: set[str] = set()
-    for name, module in model.named_modules():
-        if isinstance(module, kinds):
-            keys.update(f"{name}.{k}" if name else k for k in module.state_dict())
-    return frozenset(keys)
-
-
-def masked_cross_entropy(present: torch.Tensor) -> LossFn:
-    """Return cross-entropy over the classes in ``present`` only (a boolean mask).
-
-    Logits of absent classes are set to the dtype's lowest value before the
-    softmax, so they get no probability and no gradient (HeteroFL's masked loss).
-    """
-
-    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        mask = present.to(logits.device)
-        masked = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-        return nn.functional.cross_entropy(masked, y)
-
-    return loss
-
-
-def attach_scaler(model: nn.Module, width: float) -> int:
-    """Divide every convolution's output by ``width`` in training (HeteroFL's scaler).
-
-    In evaluation the convolutions are left as they are. Returns the number of
-    convolutions scaled (0 when ``width`` is 1).
-    """
-    if width == 1.0:
-        return 0
-
-    def scale(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output / width if module.training else output
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-            module.register_forward_hook(scale)
-            count += 1
-    return count
-
-
-def check_aggregator(scheme: str, aggregator: str, allowed: tuple[str, ...]) -> None:
-    """Refuse an aggregator a sub-model scheme cannot use, naming those it can.
-
-    Raises
-    ------
-    ConfigError
-        If ``aggregator`` is not in ``allowed``.
-    """
-    if aggregator not in allowed:
-        raise ConfigError(
-            f"run-config 'aggregator' is '{aggregator}', which '{scheme}' cannot use: it "
-            f"needs one that averages partial updates by coverage; use one of "
-            f"{', '.join(allowed)}"
-        )
-
-
-def validate_submodel(run: RunConfig, options: SubModelOptions) -> None:
-    """Refuse an aggregator the sub-model schemes cannot use (their ``validate`` hook)."""
-    check_aggregator(run.scheme.strategy, run.aggregation.aggregator, COVERAGE_AGGREGATORS)
-
-
-class SubModelClient(ClientAlgorithm):
-    """A node of a sub-model scheme: trains the slice the server names.
-
-    Its options' ``width_flexible`` and ``depth_flexible`` say which slices it may
-    pick in the handshake.
-    """
-
-    def __init__(self, *, run: RunConfig, options: Any) -> None:
-        super().__init__(run=run, options=options)
-        self.present: torch.Tensor | None = None
-
-    def slice_axes(self) -> tuple[bool, bool]:
-        """Return whether a node may cut its slice in width and in depth."""
-        return self.options.width_flexible, self.options.depth_flexible
-
-    def candidate_archs(self, family: str) -> list[str]:
-        """Return the slices of the global model this scheme lets a node train."""
-        from models.slicing import family_layout, full_spec
-
-        global_name = resolve_global(self.options.global_model, family)
-        width, depth = self.slice_axes()
-        specs = candidate_specs(
-            full_spec(global_name),
-            family_layout(global_name).min_depth,
-            self.options.widths,
-            width=width,
-            depth=depth,
-        )
-        return [slice_name(global_name, s) for s in specs]
-
-    def build_model(
-        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
-    ) -> TesseraModel:
-        """Build slice ``arch`` with the scheme's options (:meth:`SubModelOptions.model_kwargs`)."""
-        from models import get_model
-
-        return get_model(
-            arch,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            norm=self.run.scheme.norm,
-            flat_input=self.run.scheme.flat_input,
-            **self.options.model_kwargs(),
-        )
-
-    def prepare_data(
-        self, train: ArrayDataset, test: ArrayDataset
-    ) -> tuple[ArrayDataset, ArrayDataset]:
-        """Note which classes the node has training data of (for the masked loss)."""
-        self.present = None
-        if self.options.mask_classes and len(train) > 0:
-            labels = torch.as_tensor(np.unique(train.y), dtype=torch.long)
-            self.present = torch.zeros(int(labels.max()) + 1, dtype=torch.bool)
-            self.present[labels] = True
-        return train, test
-
-    def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
-        """Attach the scaler for a narrow slice; size the class mask to the task."""
-        _, spec = split_name(rnd.arch)
-        if self.options.scaler and spec is not None:
-            attach_scaler(model, spec.width)
-        if self.present is not None and len(self.present) != rnd.num_classes:
-            mask = torch.zeros(rnd.num_classes, dtype=torch.bool)
-            mask[: min(len(self.present), rnd.num_classes)] = self.present[: rnd.num_classes]
-            self.present = mask
-
-    def loss_fn(self) -> LossFn:
-        """Masked cross-entropy when enabled, plain cross-entropy otherwise."""
-        if self.present is None:
-            return super().loss_fn()
-        return masked_cross_entropy(self.present)
 
 
 class SubModelStrategy(HeteroStrategy):
