@@ -23,6 +23,7 @@ statistics as ``BatchNorm1d`` on ``(N, C)``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
@@ -35,69 +36,52 @@ MAX_GROUPS: Final = 32
 """Upper bound on the number of groups used by the ``group`` norm."""
 
 
-def batch_norm(num_channels: int) -> nn.Module:
-    """Build a ``BatchNorm2d`` with running statistics (the default norm).
+@dataclass(frozen=True)
+class BatchNormFactory:
+    """Factory of batch-norm layers of one dimensionality, with or without running statistics.
 
-    Parameters
+    Attributes
     ----------
-    num_channels : int
-        Number of channels to normalise.
-
-    Returns
-    -------
-    nn.Module
-        A ``BatchNorm2d(num_channels)``.
+    ndim : int
+        Spatial dimensionality of the feature maps: 2 (``BatchNorm2d``, images) or 1
+        (``BatchNorm1d``, signals).
+    track_running_stats : bool
+        Keep running statistics (the default); without them (HeteroFL's static batch
+        norm) the layer normalises with the batch's statistics in train and eval mode
+        alike, so its output is the same in both.
     """
-    return nn.BatchNorm2d(num_channels)
+
+    ndim: int
+    track_running_stats: bool = True
+
+    def __call__(self, num_channels: int) -> nn.Module:
+        """Build a batch norm for ``num_channels`` channels.
+
+        Parameters
+        ----------
+        num_channels : int
+            Number of channels to normalise.
+
+        Returns
+        -------
+        nn.Module
+            ``BatchNorm2d`` (``BatchNorm1d`` for ``ndim=1``) of ``num_channels``.
+        """
+        norm = nn.BatchNorm1d if self.ndim == 1 else nn.BatchNorm2d
+        return norm(num_channels, track_running_stats=self.track_running_stats)
 
 
-def static_batch_norm(num_channels: int) -> nn.Module:
-    """Build HeteroFL's static batch norm: batch statistics in train and eval mode.
+batch_norm: Final = BatchNormFactory(ndim=2)
+"""``BatchNorm2d`` with running statistics, the default norm."""
 
-    Parameters
-    ----------
-    num_channels : int
-        Number of channels to normalise.
+static_batch_norm: Final = BatchNormFactory(ndim=2, track_running_stats=False)
+"""HeteroFL's static batch norm: ``BatchNorm2d(track_running_stats=False)``."""
 
-    Returns
-    -------
-    nn.Module
-        A ``BatchNorm2d(num_channels, track_running_stats=False)``; it keeps no
-        running statistics, so its output is the same in train and eval mode.
-    """
-    return nn.BatchNorm2d(num_channels, track_running_stats=False)
+batch_norm_1d: Final = BatchNormFactory(ndim=1)
+"""``BatchNorm1d`` with running statistics, the 1-d form of ``batch``."""
 
-
-def batch_norm_1d(num_channels: int) -> nn.Module:
-    """Build a ``BatchNorm1d`` with running statistics, the 1-d form of ``batch``.
-
-    Parameters
-    ----------
-    num_channels : int
-        Number of channels to normalise.
-
-    Returns
-    -------
-    nn.Module
-        A ``BatchNorm1d(num_channels)``.
-    """
-    return nn.BatchNorm1d(num_channels)
-
-
-def static_batch_norm_1d(num_channels: int) -> nn.Module:
-    """Build HeteroFL's static batch norm for signals ``(N, C, L)``.
-
-    Parameters
-    ----------
-    num_channels : int
-        Number of channels to normalise.
-
-    Returns
-    -------
-    nn.Module
-        A ``BatchNorm1d(num_channels, track_running_stats=False)``.
-    """
-    return nn.BatchNorm1d(num_channels, track_running_stats=False)
+static_batch_norm_1d: Final = BatchNormFactory(ndim=1, track_running_stats=False)
+"""HeteroFL's static batch norm for signals ``(N, C, L)``: ``BatchNorm1d``."""
 
 
 def group_count(num_channels: int, max_groups: int = MAX_GROUPS) -> int:
