@@ -4,18 +4,20 @@ Every model is a :class:`TesseraModel` with a body (``forward_features``, flat
 representations of size ``feature_dim``) and a linear head (``forward_head``).
 Importing this package registers every family (``cnn``, ``densenet``, ``mlp``,
 ``mobilenetv2``, ``preresnet``, ``resnet``, ``torchvision``, ``vgg``); build models by
-name with :func:`get_model` and enumerate them with :func:`list_models`. torchvision is
-only imported when a ``tv-*`` model is built. ``mixed`` is a cross-family
+name with :func:`get_model` and enumerate them with :func:`list_models`. Every family
+is a table of frozen configs (:class:`~models.base.ModelConfig`, exposed as
+``model_entry(name).config``) registered with :func:`models.registry.register_family`.
+torchvision is only imported when a ``tv-*`` model is built. ``mixed`` is a cross-family
 pseudo-family, not a family of its own: ``list_models("mixed")`` names one small
 model of each of ``mobilenetv2``, ``vgg``, ``densenet`` and ``resnet``
-(:data:`models.registry.MIXED_MEMBERS`) by ascending cost, so that devices of
+(:data:`models.cross_family.MIXED_MEMBERS`) by ascending cost, so that devices of
 different capacity pick different families.
 
 Inputs are images ``(C, H, W)``, signals ``(C, L)`` or flat vectors ``(L,)``. Every
 convolutional family has a 2-d form for images and a 1-d form (``Conv1d``,
 ``BatchNorm1d``, 1-d pooling; same table, names and sizes) for signals; a flat vector
 is a one-channel signal by default, or, with ``get_model(..., flat_input="square")``,
-a zero-padded square image (:mod:`models.base`).
+a zero-padded square image (:mod:`models.inputs`).
 
 The sectioned families (``preresnet``, ``mobilenetv2``) can be sliced by width and
 depth: :func:`build_submodel` builds any :class:`~strategies.submodel.SubModelSpec`
@@ -33,18 +35,12 @@ Examples
 
 # Importing the family modules registers their models; keep one import per family.
 from models import cnn, densenet, mlp, mobilenetv2, preresnet, resnet, tv, vgg
-from models.base import (
-    FLAT_INPUTS,
-    FlatInput,
-    TesseraModel,
-    count_activations,
-    count_macs,
-    count_parameters,
-    image_shape,
-)
+from models.base import ConvModel, FamilyConfig, ModelConfig, TesseraModel
 from models.cnn import CNN, CNNConfig
+from models.cost import count_activations, count_macs, count_parameters
 from models.densenet import DenseNet, DenseNetConfig
-from models.mlp import MLP
+from models.inputs import FLAT_INPUTS, FlatInput, image_shape
+from models.mlp import MLP, MLPConfig
 from models.mobilenetv2 import (
     BlockPlan,
     InvertedResidualSetting,
@@ -54,13 +50,11 @@ from models.mobilenetv2 import (
 from models.norm import NormFactory, get_norm, list_norms
 from models.preresnet import PreResNet, PreResNetConfig
 from models.registry import (
-    ModelBuilder,
     ModelEntry,
     get_model,
     list_families,
     list_models,
     model_entry,
-    register_model,
 )
 from models.resnet import ResNet, ResNetConfig
 from models.slicing import (
@@ -70,7 +64,7 @@ from models.slicing import (
     full_spec,
     global_config,
 )
-from models.tv import TorchvisionModel
+from models.tv import TorchvisionConfig, TorchvisionModel
 from models.vgg import VGG, VGGConfig
 
 __all__ = [
@@ -80,13 +74,16 @@ __all__ = [
     "VGG",
     "BlockPlan",
     "CNNConfig",
+    "ConvModel",
     "DenseNet",
     "DenseNetConfig",
+    "FamilyConfig",
     "FlatInput",
     "InvertedResidualSetting",
+    "MLPConfig",
     "MobileNetV2",
     "MobileNetV2Config",
-    "ModelBuilder",
+    "ModelConfig",
     "ModelEntry",
     "NormFactory",
     "PreResNet",
@@ -95,6 +92,7 @@ __all__ = [
     "ResNetConfig",
     "SectionedConfig",
     "TesseraModel",
+    "TorchvisionConfig",
     "TorchvisionModel",
     "VGGConfig",
     "build_submodel",
@@ -116,7 +114,6 @@ __all__ = [
     "mobilenetv2",
     "model_entry",
     "preresnet",
-    "register_model",
     "resnet",
     "tv",
     "vgg",

@@ -23,7 +23,7 @@ Depth counts the weight layers: ``2 + 2 * sum(block_config) + len(block_config) 
 Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
 same table (``Conv1d``, 1-d norms and pooling, built through
 :class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
-to a one-channel square image instead, see :class:`models.base.InputAdapter`.
+to a one-channel square image instead, see :class:`models.inputs.InputAdapter`.
 
 State-dict layout: ``stem.weight``, dense layer ``l`` of block ``b`` under
 ``blocks.{b}.{l}.`` (``norm1``, ``conv1``, ``norm2``, ``conv2``), transition ``b``
@@ -35,7 +35,6 @@ come last in a transition, so the keys do not depend on the input size.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Final
@@ -43,10 +42,10 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
-from models.base import FlatInput, InputAdapter, TesseraModel
-from models.layers import LAYERS_2D, SpatialLayers, init_conv_weights
-from models.norm import NormFactory, batch_norm
-from models.registry import register_variants
+from models.base import ConvModel, FamilyConfig
+from models.layers import LAYERS_2D, SpatialLayers
+from models.norm import NormFactory
+from models.registry import register_family
 
 __all__ = ["DENSENET_VARIANTS", "DenseLayer", "DenseNet", "DenseNetConfig"]
 
@@ -55,8 +54,124 @@ def _is_positive_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
+class DenseLayer(nn.Module):
+    """Bottleneck dense layer: norm-ReLU-conv1x1-norm-ReLU-conv3x3, then concatenation.
+
+    Parameters
+    ----------
+    in_channels : int
+        Input channels.
+    growth_rate : int
+        New channels appended to the input.
+    bottleneck_channels : int
+        Output channels of the 1x1 convolution.
+    norm_layer : NormFactory
+        Normalisation before each convolution, of the dimensionality of ``layers``.
+    layers : SpatialLayers, optional
+        Convolution types, 2-d by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        growth_rate: int,
+        bottleneck_channels: int,
+        norm_layer: NormFactory,
+        layers: SpatialLayers = LAYERS_2D,
+    ) -> None:
+        super().__init__()
+        self.norm1 = norm_layer(in_channels)
+        self.relu1 = nn.ReLU()
+        self.conv1 = layers.conv1x1(in_channels, bottleneck_channels)
+        self.norm2 = norm_layer(bottleneck_channels)
+        self.relu2 = nn.ReLU()
+        self.conv2 = layers.conv3x3(bottleneck_channels, growth_rate)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the layer and concatenate its new maps to its input.
+
+        Parameters
+        ----------
+        x : Tensor
+            Feature map of shape ``(N, in_channels, *spatial)``.
+
+        Returns
+        -------
+        Tensor
+            Feature map of shape ``(N, in_channels + growth_rate, *spatial)``.
+        """
+        out = self.conv1(self.relu1(self.norm1(x)))
+        new = self.conv2(self.relu2(self.norm2(out)))
+        return torch.cat([x, new], dim=1)
+
+
+class DenseNet(ConvModel):
+    """CIFAR-style DenseNet-BC built from a :class:`DenseNetConfig`.
+
+    The config holds the growth rate, layers per block, bottleneck size, compression
+    and stem width; the parameters are those of :class:`~models.base.ConvModel`.
+    """
+
+    config: DenseNetConfig
+
+    def build_body(self, layers: SpatialLayers, norm_layer: NormFactory) -> None:
+        """Build the stem, the dense blocks, the transitions and the final norm."""
+        config = self.config
+        in_channels, *size = self.adapter.output_shape
+        self.stem = layers.conv3x3(in_channels, config.init_features)
+        plan = config.block_channels()
+        blocks: list[nn.Module] = []
+        transitions: list[nn.Module] = []
+        for index, (depth, (block_in, block_out)) in enumerate(
+            zip(config.block_config, plan, strict=True)
+        ):
+            blocks.append(
+                nn.Sequential(
+                    *(
+                        DenseLayer(
+                            in_channels=block_in + layer * config.growth_rate,
+                            growth_rate=config.growth_rate,
+                            bottleneck_channels=config.bottleneck_channels,
+                            norm_layer=norm_layer,
+                            layers=layers,
+                        )
+                        for layer in range(depth)
+                    )
+                )
+            )
+            if index < len(plan) - 1:
+                next_in = plan[index + 1][0]
+                transition: list[nn.Module] = [
+                    norm_layer(block_out),
+                    nn.ReLU(),
+                    layers.conv1x1(block_out, next_in),
+                ]
+                if min(size) > 1:
+                    transition.append(layers.avg_pool())
+                    size = [s // 2 for s in size]
+                transitions.append(nn.Sequential(*transition))
+        self.blocks = nn.ModuleList(blocks)
+        self.transitions = nn.ModuleList(transitions)
+        self.final = nn.Sequential(
+            norm_layer(config.feature_dim),
+            nn.ReLU(),
+            *layers.global_pool(),
+        )
+
+    def forward_body(self, x: Tensor) -> Tensor:
+        """Apply the stem, each dense block and its transition, then the final norm."""
+        out: Tensor = self.stem(x)
+        for index, block in enumerate(self.blocks):
+            out = block(out)
+            if index < len(self.transitions):
+                out = self.transitions[index](out)
+        z: Tensor = self.final(out)
+        return z
+
+
 @dataclass(frozen=True)
-class DenseNetConfig:
+class DenseNetConfig(FamilyConfig):
     """Architecture of a :class:`DenseNet`.
 
     Attributes
@@ -75,6 +190,8 @@ class DenseNetConfig:
     init_features : int
         Output channels of the stem convolution, ``2 * k`` in DenseNet-BC.
     """
+
+    model_class = DenseNet
 
     block_config: tuple[int, ...] = (6, 6, 6)
     growth_rate: int = 12
@@ -133,173 +250,6 @@ class DenseNetConfig:
         """Channels of the last dense block, the size of the representation."""
         return self.block_channels()[-1][1]
 
-    def build(
-        self,
-        *,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> DenseNet:
-        """Build the :class:`DenseNet` this config describes."""
-        return DenseNet(
-            config=self,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            norm_layer=norm_layer,
-            flat_input=flat_input,
-        )
-
-
-class DenseLayer(nn.Module):
-    """Bottleneck dense layer: norm-ReLU-conv1x1-norm-ReLU-conv3x3, then concatenation.
-
-    Parameters
-    ----------
-    in_channels : int
-        Input channels.
-    growth_rate : int
-        New channels appended to the input.
-    bottleneck_channels : int
-        Output channels of the 1x1 convolution.
-    norm_layer : NormFactory
-        Normalisation before each convolution, of the dimensionality of ``layers``.
-    layers : SpatialLayers, optional
-        Convolution types, 2-d by default.
-    """
-
-    def __init__(
-        self,
-        *,
-        in_channels: int,
-        growth_rate: int,
-        bottleneck_channels: int,
-        norm_layer: NormFactory,
-        layers: SpatialLayers = LAYERS_2D,
-    ) -> None:
-        super().__init__()
-        self.norm1 = norm_layer(in_channels)
-        self.relu1 = nn.ReLU()
-        self.conv1 = layers.conv1x1(in_channels, bottleneck_channels)
-        self.norm2 = norm_layer(bottleneck_channels)
-        self.relu2 = nn.ReLU()
-        self.conv2 = layers.conv3x3(bottleneck_channels, growth_rate)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply the layer and concatenate its new maps to its input.
-
-        Parameters
-        ----------
-        x : Tensor
-            Feature map of shape ``(N, in_channels, *spatial)``.
-
-        Returns
-        -------
-        Tensor
-            Feature map of shape ``(N, in_channels + growth_rate, *spatial)``.
-        """
-        out = self.conv1(self.relu1(self.norm1(x)))
-        new = self.conv2(self.relu2(self.norm2(out)))
-        return torch.cat([x, new], dim=1)
-
-
-class DenseNet(TesseraModel):
-    """CIFAR-style DenseNet-BC built from a :class:`DenseNetConfig`.
-
-    Parameters
-    ----------
-    config : DenseNetConfig
-        Growth rate, layers per block, bottleneck size, compression, stem width.
-    input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
-    num_classes : int
-        Number of classes, at least 2.
-    norm_layer : NormFactory, optional
-        Normalisation before each convolution and at the end, batch norm by default.
-    flat_input : FlatInput, optional
-        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
-    """
-
-    def __init__(
-        self,
-        *,
-        config: DenseNetConfig,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory = batch_norm,
-        flat_input: FlatInput = "signal",
-    ) -> None:
-        super().__init__(
-            input_shape=input_shape, feature_dim=config.feature_dim, num_classes=num_classes
-        )
-        self.config = config
-        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
-        spatial = self.adapter.layers
-        norm_layer = spatial.norm(norm_layer)
-        in_channels, *size = self.adapter.output_shape
-        self.stem = spatial.conv3x3(in_channels, config.init_features)
-        plan = config.block_channels()
-        blocks: list[nn.Module] = []
-        transitions: list[nn.Module] = []
-        for index, (layers, (block_in, block_out)) in enumerate(
-            zip(config.block_config, plan, strict=True)
-        ):
-            blocks.append(
-                nn.Sequential(
-                    *(
-                        DenseLayer(
-                            in_channels=block_in + layer * config.growth_rate,
-                            growth_rate=config.growth_rate,
-                            bottleneck_channels=config.bottleneck_channels,
-                            norm_layer=norm_layer,
-                            layers=spatial,
-                        )
-                        for layer in range(layers)
-                    )
-                )
-            )
-            if index < len(plan) - 1:
-                next_in = plan[index + 1][0]
-                transition: list[nn.Module] = [
-                    norm_layer(block_out),
-                    nn.ReLU(),
-                    spatial.conv1x1(block_out, next_in),
-                ]
-                if min(size) > 1:
-                    transition.append(spatial.avg_pool())
-                    size = [s // 2 for s in size]
-                transitions.append(nn.Sequential(*transition))
-        self.blocks = nn.ModuleList(blocks)
-        self.transitions = nn.ModuleList(transitions)
-        self.final = nn.Sequential(
-            norm_layer(config.feature_dim),
-            nn.ReLU(),
-            *spatial.global_pool(),
-        )
-        self.head = nn.Linear(config.feature_dim, num_classes)
-        init_conv_weights(self)
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Map a batch to pooled representations of size ``feature_dim``.
-
-        Parameters
-        ----------
-        x : Tensor
-            Batch of shape ``(N, *input_shape)``.
-
-        Returns
-        -------
-        Tensor
-            Representations of shape ``(N, feature_dim)``.
-        """
-        out: Tensor = self.stem(self.adapter(x))
-        for index, block in enumerate(self.blocks):
-            out = block(out)
-            if index < len(self.transitions):
-                out = self.transitions[index](out)
-        z: Tensor = self.final(out)
-        return z
-
 
 DENSENET_VARIANTS: Final[tuple[tuple[str, DenseNetConfig, str], ...]] = tuple(
     (
@@ -315,4 +265,4 @@ DENSENET_VARIANTS: Final[tuple[tuple[str, DenseNetConfig, str], ...]] = tuple(
 """The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-register_variants("densenet", DENSENET_VARIANTS)
+register_family("densenet", DENSENET_VARIANTS)

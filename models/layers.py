@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -19,6 +20,7 @@ __all__ = [
     "block_step",
     "init_conv_weights",
     "make_divisible",
+    "residual_stages",
     "slice_channels",
     "spatial_layers",
 ]
@@ -243,3 +245,40 @@ def init_conv_weights(module: nn.Module) -> None:
             nn.init.ones_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+def residual_stages(
+    depths: Sequence[int], widths: Sequence[int], block: Callable[..., nn.Module]
+) -> nn.Sequential:
+    """Build CIFAR-style stages of residual blocks, each stage an ``nn.Sequential``.
+
+    Stage ``s`` has ``depths[s]`` blocks of ``widths[s]`` output channels; its first
+    block runs at stride 2 (stride 1 in the first stage), the others at stride 1.
+    The first stage's input has ``widths[0]`` channels (a stem's output). Blocks are
+    built in order, stage by stage, so their parameters are initialised in that order.
+
+    Parameters
+    ----------
+    depths : Sequence[int]
+        Blocks per stage.
+    widths : Sequence[int]
+        Output channels per stage, one per stage.
+    block : Callable[..., nn.Module]
+        Builds a block from keyword arguments ``in_channels``, ``out_channels`` and
+        ``stride``.
+
+    Returns
+    -------
+    nn.Sequential
+        The stages; block ``b`` of stage ``s`` is at ``[s][b]``.
+    """
+    stages: list[nn.Module] = []
+    in_channels = widths[0]
+    for index, (blocks, width) in enumerate(zip(depths, widths, strict=True)):
+        stage: list[nn.Module] = []
+        for position in range(blocks):
+            stride = 2 if index > 0 and position == 0 else 1
+            stage.append(block(in_channels=in_channels, out_channels=width, stride=stride))
+            in_channels = width
+        stages.append(nn.Sequential(*stage))
+    return nn.Sequential(*stages)

@@ -4,35 +4,26 @@ Any input, image or vector, is flattened to ``prod(input_shape)`` features. Each
 hidden layer is ``Linear -> norm -> ReLU``; the injected norm is applied to the
 ``(N, C)`` activations through :class:`models.norm.VectorNorm`, which makes ``batch``
 behave as ``BatchNorm1d``. The output of the last hidden layer is the representation.
-The hidden widths of each registered size are the data in :data:`MLP_HIDDEN`.
-The builders accept ``flat_input`` like every registered builder and ignore it: a
+The hidden widths of each registered size are the data in :data:`MLP_VARIANTS`.
+The model accepts ``flat_input`` like every registered model and ignores it: a
 flattened input is the same whatever its form.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import FlatInput, TesseraModel, check_batch_shape
+from models.base import FamilyConfig, TesseraModel
+from models.inputs import FlatInput, check_batch_shape
 from models.norm import NormFactory, VectorNorm, batch_norm
-from models.registry import register_model
+from models.registry import register_family
 
-__all__ = ["MLP", "MLP_HIDDEN"]
-
-
-MLP_HIDDEN: Final[Mapping[str, tuple[int, ...]]] = MappingProxyType(
-    {
-        "mlp-s": (64,),
-        "mlp-m": (128, 64),
-        "mlp-l": (256, 128, 64),
-    }
-)
-"""Hidden layer widths of each registered MLP."""
+__all__ = ["MLP", "MLP_VARIANTS", "MLPConfig"]
 
 
 class MLP(TesseraModel):
@@ -40,33 +31,40 @@ class MLP(TesseraModel):
 
     Parameters
     ----------
-    hidden : Sequence[int]
-        Width of each hidden layer, at least one.
+    config : MLPConfig
+        Width of each hidden layer.
     input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)`` or ``(D,)``; it is flattened.
+        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``; it is flattened.
     num_classes : int
         Number of classes, at least 2.
     norm_layer : NormFactory, optional
         Normalisation after each hidden linear layer, batch norm by default.
+    flat_input : FlatInput, optional
+        Ignored: a flattened input is the same whatever its form.
+
+    Attributes
+    ----------
+    config : MLPConfig
+        The architecture the model was built from.
     """
 
     def __init__(
         self,
         *,
-        hidden: Sequence[int],
+        config: MLPConfig,
         input_shape: Sequence[int],
         num_classes: int,
         norm_layer: NormFactory = batch_norm,
+        flat_input: FlatInput = "signal",
     ) -> None:
-        widths = tuple(hidden)
-        if not widths or min(widths) < 1:
-            raise ValueError(
-                f"MLP hidden widths must be a non-empty sequence of positive ints, got {hidden!r}."
-            )
-        super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
+        del flat_input  # an MLP flattens every input, a vector is a vector
+        super().__init__(
+            input_shape=input_shape, feature_dim=config.feature_dim, num_classes=num_classes
+        )
+        self.config = config
         layers: list[nn.Module] = [nn.Flatten()]
         in_features = math.prod(self.input_shape)
-        for width in widths:
+        for width in config.hidden:
             layers += [
                 nn.Linear(in_features, width),
                 VectorNorm(width, norm_layer=norm_layer),
@@ -94,51 +92,43 @@ class MLP(TesseraModel):
         return z
 
 
-def _build(
-    name: str, input_shape: tuple[int, ...], num_classes: int, norm_layer: NormFactory
-) -> MLP:
-    return MLP(
-        hidden=MLP_HIDDEN[name],
-        input_shape=input_shape,
-        num_classes=num_classes,
-        norm_layer=norm_layer,
+@dataclass(frozen=True)
+class MLPConfig(FamilyConfig):
+    """Architecture of an :class:`MLP`.
+
+    Attributes
+    ----------
+    hidden : tuple[int, ...]
+        Width of each hidden layer, at least one.
+    """
+
+    model_class = MLP
+
+    hidden: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        """Validate the widths."""
+        if not self.hidden or min(self.hidden) < 1:
+            raise ValueError(
+                f"MLP hidden widths must be a non-empty sequence of positive ints, "
+                f"got {self.hidden!r}."
+            )
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the last hidden layer, the size of the representation."""
+        return self.hidden[-1]
+
+
+MLP_VARIANTS: Final[tuple[tuple[str, MLPConfig, str], ...]] = tuple(
+    (name, MLPConfig(hidden=hidden), f"hidden {hidden}")
+    for name, hidden in (
+        ("mlp-s", (64,)),
+        ("mlp-m", (128, 64)),
+        ("mlp-l", (256, 128, 64)),
     )
+)
+"""The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-@register_model("mlp-s", family="mlp", size_rank=0, description="hidden (64,)")
-def mlp_s(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-    flat_input: FlatInput = "signal",
-) -> MLP:
-    """Build ``mlp-s``: one hidden layer of 64."""
-    del flat_input  # an MLP flattens every input, a vector is a vector
-    return _build("mlp-s", input_shape, num_classes, norm_layer)
-
-
-@register_model("mlp-m", family="mlp", size_rank=1, description="hidden (128, 64)")
-def mlp_m(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-    flat_input: FlatInput = "signal",
-) -> MLP:
-    """Build ``mlp-m``: hidden layers of 128 and 64."""
-    del flat_input  # an MLP flattens every input, a vector is a vector
-    return _build("mlp-m", input_shape, num_classes, norm_layer)
-
-
-@register_model("mlp-l", family="mlp", size_rank=2, description="hidden (256, 128, 64)")
-def mlp_l(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-    flat_input: FlatInput = "signal",
-) -> MLP:
-    """Build ``mlp-l``: hidden layers of 256, 128 and 64."""
-    del flat_input  # an MLP flattens every input, a vector is a vector
-    return _build("mlp-l", input_shape, num_classes, norm_layer)
+register_family("mlp", MLP_VARIANTS)

@@ -16,7 +16,7 @@ the last 1x1 convolution (1280-d for ``width_mult <= 1``).
 Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
 same table (``Conv1d``, 1-d norms and pooling, built through
 :class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
-to a one-channel square image instead, see :class:`models.base.InputAdapter`.
+to a one-channel square image instead, see :class:`models.inputs.InputAdapter`.
 
 State-dict layout: the stem under ``stem.`` (``stem.0`` convolution, ``stem.1``
 norm), block ``b`` of section ``s`` under ``sections.{s}.{b}.block.``, the last 1x1
@@ -31,24 +31,22 @@ stride), so slices keep at least two blocks per section.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Final, NamedTuple
 
 from torch import Tensor, nn
 
-from models.base import FlatInput, InputAdapter, TesseraModel
+from models.base import ConvModel
 from models.layers import (
     LAYERS_2D,
     SpatialLayers,
     block_step,
-    init_conv_weights,
     make_divisible,
     slice_channels,
 )
-from models.norm import NormFactory, batch_norm
-from models.registry import register_variants
-from models.slicing import check_slice
+from models.norm import NormFactory
+from models.registry import register_family
+from models.slicing import SectionedConfig
 
 __all__ = [
     "CIFAR_INVERTED_RESIDUAL_SETTINGS",
@@ -121,8 +119,116 @@ class BlockPlan(NamedTuple):
     residual: bool
 
 
+class InvertedResidual(nn.Module):
+    """Expand (1x1), depthwise (3x3), project (1x1, linear), residual when possible.
+
+    Parameters
+    ----------
+    plan : BlockPlan
+        Channels, stride, expansion and residual connection of the block.
+    norm_layer : NormFactory
+        Normalisation after each convolution.
+    step : bool, optional
+        With a residual connection, scale the branch by a learnable scalar ``step``
+        (initialised to 1).
+    spatial : SpatialLayers, optional
+        Convolution types, 2-d by default; ``norm_layer`` must match them.
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: BlockPlan,
+        norm_layer: NormFactory,
+        step: bool = False,
+        spatial: SpatialLayers = LAYERS_2D,
+    ) -> None:
+        super().__init__()
+        hidden = plan.hidden_channels
+        self.use_residual = plan.residual
+        layers: list[nn.Module] = []
+        if plan.expand:
+            layers += [spatial.conv1x1(plan.in_channels, hidden), norm_layer(hidden), nn.ReLU6()]
+        layers += [
+            spatial.conv3x3(hidden, hidden, plan.stride, groups=hidden),
+            norm_layer(hidden),
+            nn.ReLU6(),
+            spatial.conv1x1(hidden, plan.out_channels),
+            norm_layer(plan.out_channels),
+        ]
+        self.block = nn.Sequential(*layers)
+        self.step = block_step() if step and plan.residual else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the block.
+
+        Parameters
+        ----------
+        x : Tensor
+            Feature map of shape ``(N, in_channels, *spatial)``.
+
+        Returns
+        -------
+        Tensor
+            Feature map of shape ``(N, out_channels, *spatial')``.
+        """
+        out: Tensor = self.block(x)
+        if self.step is not None:
+            out = self.step * out
+        return x + out if self.use_residual else out
+
+
+class MobileNetV2(ConvModel):
+    """MobileNetV2 built from a :class:`MobileNetV2Config`.
+
+    The config holds the width multiplier, section depths and inverted-residual
+    table; the parameters are those of :class:`~models.base.ConvModel`.
+    """
+
+    config: MobileNetV2Config
+
+    def build_body(self, layers: SpatialLayers, norm_layer: NormFactory) -> None:
+        """Build the stem, the sections of inverted residuals and the last 1x1 conv."""
+        config = self.config
+        stem = config.stem_width
+        self.stem = nn.Sequential(
+            layers.conv3x3(self.adapter.output_shape[0], stem, config.stem_stride),
+            norm_layer(stem),
+            nn.ReLU6(),
+        )
+        plans = config.block_plans()
+        self.sections = nn.Sequential(
+            *(
+                nn.Sequential(
+                    *(
+                        InvertedResidual(
+                            plan=plan,
+                            norm_layer=norm_layer,
+                            step=config.block_step,
+                            spatial=layers,
+                        )
+                        for plan in section
+                    )
+                )
+                for section in plans
+            )
+        )
+        last = plans[-1][-1].out_channels
+        self.final = nn.Sequential(
+            layers.conv1x1(last, config.feature_dim),
+            norm_layer(config.feature_dim),
+            nn.ReLU6(),
+            *layers.global_pool(),
+        )
+
+    def forward_body(self, x: Tensor) -> Tensor:
+        """Apply the stem, the sections and the last convolution and pool."""
+        z: Tensor = self.final(self.sections(self.stem(x)))
+        return z
+
+
 @dataclass(frozen=True)
-class MobileNetV2Config:
+class MobileNetV2Config(SectionedConfig):
     """Architecture of a :class:`MobileNetV2`.
 
     Attributes
@@ -150,6 +256,8 @@ class MobileNetV2Config:
         (a scalar, initialised to 1): ``x + s * F(x)`` (NeFL's step-size parameters;
         state-dict key ``sections.{s}.{b}.step``). Off by default.
     """
+
+    model_class = MobileNetV2
 
     width_mult: float = 1.0
     depths: tuple[int, ...] | None = None
@@ -278,190 +386,9 @@ class MobileNetV2Config:
         """State-dict key of the stem convolution's weight."""
         return "stem.0.weight"
 
-    def sliced(self, width: float, depths: Sequence[int]) -> MobileNetV2Config:
-        """Return the config of a sub-model of this global model.
-
-        Parameters
-        ----------
-        width : float
-            Share of every channel count kept, in ``(0, 1]``.
-        depths : Sequence[int]
-            Blocks kept per section (the first ones), at least
-            :attr:`min_section_depth` (or the section's depth if smaller).
-
-        Returns
-        -------
-        MobileNetV2Config
-            The slice: ``depths=depths``, ``slice_width=width``.
-
-        Raises
-        ------
-        ValueError
-            If this config is already a slice or the slice does not fit it.
-        """
-        width, kept = check_slice(self, width, depths)
-        return replace(self, depths=kept, slice_width=width)
-
-    def build(
-        self,
-        *,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> MobileNetV2:
-        """Build the :class:`MobileNetV2` this config describes."""
-        return MobileNetV2(
-            config=self,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            norm_layer=norm_layer,
-            flat_input=flat_input,
-        )
-
-
-class InvertedResidual(nn.Module):
-    """Expand (1x1), depthwise (3x3), project (1x1, linear), residual when possible.
-
-    Parameters
-    ----------
-    plan : BlockPlan
-        Channels, stride, expansion and residual connection of the block.
-    norm_layer : NormFactory
-        Normalisation after each convolution.
-    step : bool, optional
-        With a residual connection, scale the branch by a learnable scalar ``step``
-        (initialised to 1).
-    spatial : SpatialLayers, optional
-        Convolution types, 2-d by default; ``norm_layer`` must match them.
-    """
-
-    def __init__(
-        self,
-        *,
-        plan: BlockPlan,
-        norm_layer: NormFactory,
-        step: bool = False,
-        spatial: SpatialLayers = LAYERS_2D,
-    ) -> None:
-        super().__init__()
-        hidden = plan.hidden_channels
-        self.use_residual = plan.residual
-        layers: list[nn.Module] = []
-        if plan.expand:
-            layers += [spatial.conv1x1(plan.in_channels, hidden), norm_layer(hidden), nn.ReLU6()]
-        layers += [
-            spatial.conv3x3(hidden, hidden, plan.stride, groups=hidden),
-            norm_layer(hidden),
-            nn.ReLU6(),
-            spatial.conv1x1(hidden, plan.out_channels),
-            norm_layer(plan.out_channels),
-        ]
-        self.block = nn.Sequential(*layers)
-        self.step = block_step() if step and plan.residual else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply the block.
-
-        Parameters
-        ----------
-        x : Tensor
-            Feature map of shape ``(N, in_channels, *spatial)``.
-
-        Returns
-        -------
-        Tensor
-            Feature map of shape ``(N, out_channels, *spatial')``.
-        """
-        out: Tensor = self.block(x)
-        if self.step is not None:
-            out = self.step * out
-        return x + out if self.use_residual else out
-
-
-class MobileNetV2(TesseraModel):
-    """MobileNetV2 built from a :class:`MobileNetV2Config`.
-
-    Parameters
-    ----------
-    config : MobileNetV2Config
-        Width multiplier, section depths and inverted-residual table.
-    input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
-    num_classes : int
-        Number of classes, at least 2.
-    norm_layer : NormFactory, optional
-        Normalisation after each convolution, batch norm by default.
-    flat_input : FlatInput, optional
-        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
-    """
-
-    def __init__(
-        self,
-        *,
-        config: MobileNetV2Config,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory = batch_norm,
-        flat_input: FlatInput = "signal",
-    ) -> None:
-        super().__init__(
-            input_shape=input_shape,
-            feature_dim=config.feature_dim,
-            num_classes=num_classes,
-        )
-        self.config = config
-        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
-        spatial = self.adapter.layers
-        norm_layer = spatial.norm(norm_layer)
-        stem = config.stem_width
-        self.stem = nn.Sequential(
-            spatial.conv3x3(self.adapter.output_shape[0], stem, config.stem_stride),
-            norm_layer(stem),
-            nn.ReLU6(),
-        )
-        plans = config.block_plans()
-        self.sections = nn.Sequential(
-            *(
-                nn.Sequential(
-                    *(
-                        InvertedResidual(
-                            plan=plan,
-                            norm_layer=norm_layer,
-                            step=config.block_step,
-                            spatial=spatial,
-                        )
-                        for plan in section
-                    )
-                )
-                for section in plans
-            )
-        )
-        last = plans[-1][-1].out_channels
-        self.final = nn.Sequential(
-            spatial.conv1x1(last, config.feature_dim),
-            norm_layer(config.feature_dim),
-            nn.ReLU6(),
-            *spatial.global_pool(),
-        )
-        self.head = nn.Linear(config.feature_dim, num_classes)
-        init_conv_weights(self)
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Map a batch to pooled representations of size ``feature_dim``.
-
-        Parameters
-        ----------
-        x : Tensor
-            Batch of shape ``(N, *input_shape)``.
-
-        Returns
-        -------
-        Tensor
-            Representations of shape ``(N, feature_dim)``.
-        """
-        z: Tensor = self.final(self.sections(self.stem(self.adapter(x))))
-        return z
+    def with_slice(self, width: float, depths: tuple[int, ...]) -> MobileNetV2Config:
+        """Return the slice ``depths=depths``, ``slice_width=width`` (:meth:`sliced`)."""
+        return replace(self, depths=depths, slice_width=width)
 
 
 MOBILENETV2_VARIANTS: Final[tuple[tuple[str, MobileNetV2Config, str], ...]] = tuple(
@@ -475,4 +402,4 @@ MOBILENETV2_VARIANTS: Final[tuple[tuple[str, MobileNetV2Config, str], ...]] = tu
 """The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-register_variants("mobilenetv2", MOBILENETV2_VARIANTS)
+register_family("mobilenetv2", MOBILENETV2_VARIANTS)

@@ -10,7 +10,7 @@ rounded with :func:`models.layers.make_divisible`. Stem and strides are CIFAR-st
 Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
 same table (``Conv1d``, 1-d norms and pooling, built through
 :class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
-to a one-channel square image instead, see :class:`models.base.InputAdapter`.
+to a one-channel square image instead, see :class:`models.inputs.InputAdapter`.
 
 State-dict layout: ``stem.weight``, block ``b`` of stage ``s`` under
 ``sections.{s}.{b}.`` (``norm1``, ``conv1``, ``norm2``, ``conv2``, ``shortcut``),
@@ -23,149 +23,26 @@ least two blocks per stage (:attr:`PreResNetConfig.min_section_depth`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import FlatInput, InputAdapter, TesseraModel
+from models.base import ConvModel
 from models.layers import (
     LAYERS_2D,
     SpatialLayers,
     block_step,
-    init_conv_weights,
     make_divisible,
+    residual_stages,
     slice_channels,
 )
-from models.norm import NormFactory, batch_norm
-from models.registry import register_variants
-from models.slicing import check_slice
+from models.norm import NormFactory
+from models.registry import register_family
+from models.slicing import SectionedConfig
 
 __all__ = ["PRERESNET_VARIANTS", "PreActBlock", "PreResNet", "PreResNetConfig"]
-
-
-@dataclass(frozen=True)
-class PreResNetConfig:
-    """Architecture of a :class:`PreResNet`.
-
-    Attributes
-    ----------
-    stage_depths : tuple[int, ...]
-        Number of pre-activation blocks in each stage.
-    width_mult : float
-        Multiplier applied to every base width, e.g. 0.5 for half width.
-    base_widths : tuple[int, ...]
-        Width of each stage at ``width_mult=1``, one per stage.
-    slice_width : float
-        For a sub-model (:meth:`sliced`), the share of the global model's channels
-        kept, ``ceil(slice_width * c)`` of each stage's ``c``; 1 for a global model.
-    block_step : bool
-        Give every block a learnable step size ``s`` (a scalar, initialised to 1)
-        that scales its residual branch, ``x + s * F(x)`` (NeFL's step-size
-        parameters; state-dict key ``sections.{s}.{b}.step``). Off by default.
-    """
-
-    stage_depths: tuple[int, ...]
-    width_mult: float = 1.0
-    base_widths: tuple[int, ...] = (64, 128, 256, 512)
-    slice_width: float = 1.0
-    block_step: bool = False
-
-    def __post_init__(self) -> None:
-        """Validate the table."""
-        if not self.stage_depths or any(d < 1 for d in self.stage_depths):
-            raise ValueError(
-                f"PreResNetConfig.stage_depths must be a non-empty tuple of positive "
-                f"block counts, got {self.stage_depths}."
-            )
-        if len(self.base_widths) != len(self.stage_depths):
-            raise ValueError(
-                f"PreResNetConfig.base_widths needs one width per stage: got "
-                f"{len(self.base_widths)} widths {self.base_widths} for "
-                f"{len(self.stage_depths)} stages {self.stage_depths}."
-            )
-        if any(w < 1 for w in self.base_widths):
-            raise ValueError(
-                f"PreResNetConfig.base_widths must be positive, got {self.base_widths}."
-            )
-        if not self.width_mult > 0:
-            raise ValueError(f"PreResNetConfig.width_mult must be > 0, got {self.width_mult}.")
-        if not 0 < self.slice_width <= 1:
-            raise ValueError(
-                f"PreResNetConfig.slice_width must be in (0, 1], got {self.slice_width}."
-            )
-
-    @property
-    def global_widths(self) -> tuple[int, ...]:
-        """Channel width of each stage of the global model: multiplier, rounded to 8."""
-        return tuple(make_divisible(w * self.width_mult) for w in self.base_widths)
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        """Channel width of each stage: the global widths, sliced by ``slice_width``."""
-        return tuple(slice_channels(w, self.slice_width) for w in self.global_widths)
-
-    @property
-    def section_depths(self) -> tuple[int, ...]:
-        """Blocks in each stage (a stage is a section)."""
-        return self.stage_depths
-
-    @property
-    def min_section_depth(self) -> int:
-        """Fewest blocks a slice keeps per stage: 2 when a stage starts at stride 2."""
-        return 2 if len(self.stage_depths) > 1 else 1
-
-    @property
-    def stem_key(self) -> str:
-        """State-dict key of the stem convolution's weight."""
-        return "stem.weight"
-
-    def sliced(self, width: float, depths: Sequence[int]) -> PreResNetConfig:
-        """Return the config of a sub-model of this global model.
-
-        Parameters
-        ----------
-        width : float
-            Share of every stage's channels kept, in ``(0, 1]``.
-        depths : Sequence[int]
-            Blocks kept per stage (the first ones), at least
-            :attr:`min_section_depth` (or the stage's depth if smaller).
-
-        Returns
-        -------
-        PreResNetConfig
-            The slice: ``stage_depths=depths``, ``slice_width=width``.
-
-        Raises
-        ------
-        ValueError
-            If this config is already a slice or the slice does not fit it.
-        """
-        width, kept = check_slice(self, width, depths)
-        return replace(self, stage_depths=kept, slice_width=width)
-
-    def build(
-        self,
-        *,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> PreResNet:
-        """Build the :class:`PreResNet` this config describes."""
-        return PreResNet(
-            config=self,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            norm_layer=norm_layer,
-            flat_input=flat_input,
-        )
-
-    @property
-    def depth(self) -> int:
-        """Number of weight layers: stem, two per block, head."""
-        return 2 + 2 * sum(self.stage_depths)
 
 
 class PreActBlock(nn.Module):
@@ -235,77 +112,122 @@ class PreActBlock(nn.Module):
         return result
 
 
-class PreResNet(TesseraModel):
+class PreResNet(ConvModel):
     """Pre-activation ResNet, CIFAR-style.
 
-    Parameters
-    ----------
-    config : PreResNetConfig
-        Blocks per stage, width multiplier and base widths.
-    input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
-    num_classes : int
-        Number of classes, at least 2.
-    norm_layer : NormFactory, optional
-        Normalisation before each convolution, batch norm by default.
-    flat_input : FlatInput, optional
-        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
+    Built from a :class:`PreResNetConfig` (blocks per stage, width multiplier, base
+    widths); the parameters are those of :class:`~models.base.ConvModel`.
     """
 
-    def __init__(
-        self,
-        *,
-        config: PreResNetConfig,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory = batch_norm,
-        flat_input: FlatInput = "signal",
-    ) -> None:
-        widths = config.widths
-        super().__init__(input_shape=input_shape, feature_dim=widths[-1], num_classes=num_classes)
-        self.config = config
-        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
-        layers = self.adapter.layers
-        norm_layer = layers.norm(norm_layer)
+    config: PreResNetConfig
+
+    def build_body(self, layers: SpatialLayers, norm_layer: NormFactory) -> None:
+        """Build the stem, the sections of pre-activation blocks and the final norm."""
+        widths = self.config.widths
         self.stem = layers.conv3x3(self.adapter.output_shape[0], widths[0])
-        sections: list[nn.Module] = []
-        in_channels = widths[0]
-        for index, (blocks, width) in enumerate(zip(config.stage_depths, widths, strict=True)):
-            section: list[nn.Module] = []
-            for block in range(blocks):
-                stride = 2 if index > 0 and block == 0 else 1
-                section.append(
-                    PreActBlock(
-                        in_channels=in_channels,
-                        out_channels=width,
-                        stride=stride,
-                        norm_layer=norm_layer,
-                        step=config.block_step,
-                        layers=layers,
-                    )
-                )
-                in_channels = width
-            sections.append(nn.Sequential(*section))
-        self.sections = nn.Sequential(*sections)
+        block = partial(
+            PreActBlock, norm_layer=norm_layer, step=self.config.block_step, layers=layers
+        )
+        self.sections = residual_stages(self.config.stage_depths, widths, block)
         self.final = nn.Sequential(norm_layer(widths[-1]), nn.ReLU(), *layers.global_pool())
-        self.head = nn.Linear(widths[-1], num_classes)
-        init_conv_weights(self)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Map a batch to pooled representations of size ``feature_dim``.
-
-        Parameters
-        ----------
-        x : Tensor
-            Batch of shape ``(N, *input_shape)``.
-
-        Returns
-        -------
-        Tensor
-            Representations of shape ``(N, feature_dim)``.
-        """
-        z: Tensor = self.final(self.sections(self.stem(self.adapter(x))))
+    def forward_body(self, x: Tensor) -> Tensor:
+        """Apply the stem, the sections and the final norm and pool."""
+        z: Tensor = self.final(self.sections(self.stem(x)))
         return z
+
+
+@dataclass(frozen=True)
+class PreResNetConfig(SectionedConfig):
+    """Architecture of a :class:`PreResNet`.
+
+    Attributes
+    ----------
+    stage_depths : tuple[int, ...]
+        Number of pre-activation blocks in each stage.
+    width_mult : float
+        Multiplier applied to every base width, e.g. 0.5 for half width.
+    base_widths : tuple[int, ...]
+        Width of each stage at ``width_mult=1``, one per stage.
+    slice_width : float
+        For a sub-model (:meth:`sliced`), the share of the global model's channels
+        kept, ``ceil(slice_width * c)`` of each stage's ``c``; 1 for a global model.
+    block_step : bool
+        Give every block a learnable step size ``s`` (a scalar, initialised to 1)
+        that scales its residual branch, ``x + s * F(x)`` (NeFL's step-size
+        parameters; state-dict key ``sections.{s}.{b}.step``). Off by default.
+    """
+
+    model_class = PreResNet
+
+    stage_depths: tuple[int, ...]
+    width_mult: float = 1.0
+    base_widths: tuple[int, ...] = (64, 128, 256, 512)
+    slice_width: float = 1.0
+    block_step: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate the table."""
+        if not self.stage_depths or any(d < 1 for d in self.stage_depths):
+            raise ValueError(
+                f"PreResNetConfig.stage_depths must be a non-empty tuple of positive "
+                f"block counts, got {self.stage_depths}."
+            )
+        if len(self.base_widths) != len(self.stage_depths):
+            raise ValueError(
+                f"PreResNetConfig.base_widths needs one width per stage: got "
+                f"{len(self.base_widths)} widths {self.base_widths} for "
+                f"{len(self.stage_depths)} stages {self.stage_depths}."
+            )
+        if any(w < 1 for w in self.base_widths):
+            raise ValueError(
+                f"PreResNetConfig.base_widths must be positive, got {self.base_widths}."
+            )
+        if not self.width_mult > 0:
+            raise ValueError(f"PreResNetConfig.width_mult must be > 0, got {self.width_mult}.")
+        if not 0 < self.slice_width <= 1:
+            raise ValueError(
+                f"PreResNetConfig.slice_width must be in (0, 1], got {self.slice_width}."
+            )
+
+    @property
+    def global_widths(self) -> tuple[int, ...]:
+        """Channel width of each stage of the global model: multiplier, rounded to 8."""
+        return tuple(make_divisible(w * self.width_mult) for w in self.base_widths)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Channel width of each stage: the global widths, sliced by ``slice_width``."""
+        return tuple(slice_channels(w, self.slice_width) for w in self.global_widths)
+
+    @property
+    def section_depths(self) -> tuple[int, ...]:
+        """Blocks in each stage (a stage is a section)."""
+        return self.stage_depths
+
+    @property
+    def min_section_depth(self) -> int:
+        """Fewest blocks a slice keeps per stage: 2 when a stage starts at stride 2."""
+        return 2 if len(self.stage_depths) > 1 else 1
+
+    @property
+    def stem_key(self) -> str:
+        """State-dict key of the stem convolution's weight."""
+        return "stem.weight"
+
+    def with_slice(self, width: float, depths: tuple[int, ...]) -> PreResNetConfig:
+        """Return the slice ``stage_depths=depths``, ``slice_width=width`` (:meth:`sliced`)."""
+        return replace(self, stage_depths=depths, slice_width=width)
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the last stage, the size of the representation."""
+        return self.widths[-1]
+
+    @property
+    def depth(self) -> int:
+        """Number of weight layers: stem, two per block, head."""
+        return 2 + 2 * sum(self.stage_depths)
 
 
 PRERESNET_VARIANTS: Final[tuple[tuple[str, PreResNetConfig, str], ...]] = (
@@ -339,4 +261,4 @@ PRERESNET_VARIANTS: Final[tuple[tuple[str, PreResNetConfig, str], ...]] = (
 """The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-register_variants("preresnet", PRERESNET_VARIANTS)
+register_family("preresnet", PRERESNET_VARIANTS)

@@ -1,101 +1,55 @@
 """Registry of the model zoo, in the style of torchvision's ``models/_api.py``.
 
-Each family module decorates its builders with :func:`register_model`; importing
-:mod:`models` imports every family module, so the registry is complete once
+A model is registered as a frozen config that builds it (:class:`~models.base.ModelConfig`):
+each family module registers its table of ``(name, config, description)`` with
+:func:`register_family`, the size rank of a model being its place in the table.
+Importing :mod:`models` imports every family module, so the registry is complete once
 ``models`` is imported. Models are then built by name with :func:`get_model`.
 
-A builder is a function taking keyword-only ``input_shape``, ``num_classes``,
-``norm_layer`` and ``flat_input`` and returning a :class:`~models.base.TesseraModel`.
-``flat_input`` (:data:`~models.base.FlatInput`) says how a convolutional model reads a
+A config builds its model from keyword-only ``input_shape``, ``num_classes``,
+``norm_layer`` and ``flat_input`` (:meth:`~models.base.ModelConfig.build`).
+``flat_input`` (:data:`~models.inputs.FlatInput`) says how a convolutional model reads a
 flat vector ``(L,)``: as a one-channel signal convolved in 1-d (``"signal"``, the
-default) or reshaped to a square image (``"square"``); see :mod:`models.base`.
+default) or reshaped to a square image (``"square"``); see :mod:`models.inputs`.
 
 Besides the families of the registered models, the registry knows *cross-family
-sets*: a name such as ``"mixed"`` (:data:`MIXED_FAMILY`) that :func:`list_models` and
-:func:`list_families` treat like a family, standing for a fixed set of registered
-models of different families (:data:`MIXED_MEMBERS`), listed by ascending measured
-cost (:data:`COST_INPUT_SHAPE`). It is an alias, not a registration: every member
-keeps its own family and size rank, and ``list_models()`` lists it once.
+sets* (:mod:`models.cross_family`): a name such as ``"mixed"`` that :func:`list_models`
+and :func:`list_families` treat like a family, standing for a fixed set of registered
+models of different families, listed by ascending measured cost. It is an alias, not
+a registration: every member keeps its own family and size rank, and
+``list_models()`` lists it once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
-from types import MappingProxyType
-from typing import Final, Protocol, TypeVar
+from typing import TypeAlias
 
-import torch
-
-from models.base import (
+from models.base import ModelConfig, TesseraModel
+from models.cross_family import CROSS_FAMILY_SETS, measured_cost
+from models.inputs import (
     FlatInput,
-    TesseraModel,
-    count_macs,
-    count_parameters,
     validate_flat_input,
     validate_input_shape,
     validate_num_classes,
 )
-from models.norm import NormFactory, get_norm
+from models.norm import get_norm
 from models.spec import split_name
 
 __all__ = [
-    "COST_INPUT_SHAPE",
-    "CROSS_FAMILY_SETS",
-    "MIXED_FAMILY",
-    "MIXED_MEMBERS",
-    "ModelBuilder",
     "ModelEntry",
     "ModelRegistry",
+    "Variant",
     "get_model",
     "list_families",
     "list_models",
     "model_entry",
-    "register_model",
+    "register_family",
 ]
 
-
-class ModelBuilder(Protocol):
-    """Signature of a registered model builder."""
-
-    def __call__(
-        self,
-        *,
-        input_shape: tuple[int, ...],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> TesseraModel:
-        """Build a model for inputs of ``input_shape`` and ``num_classes`` classes."""
-        ...
-
-
-BuilderT = TypeVar("BuilderT", bound=ModelBuilder)
-
-MIXED_FAMILY: Final = "mixed"
-"""Name of the cross-family candidate set of the heterogeneous ensemble."""
-
-MIXED_MEMBERS: Final[tuple[str, ...]] = (
-    "mobilenetv2_035",
-    "resnet10",
-    "vgg11_0125",
-    "densenet76_k12",
-)
-"""The models of :data:`MIXED_FAMILY`, one per family (Thonglek et al.'s fleet of
-MobileNet, DenseNet, ResNet and VGG models chosen by device capacity).
-
-Chosen so that parameters and MACs, on 8x8 and on 32x32 inputs alike, grow in the
-same order: vgg11_0125 < mobilenetv2_035 < densenet76_k12 < resnet10. Listed here in
-any order; :func:`list_models` orders them by measured cost.
-"""
-
-CROSS_FAMILY_SETS: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
-    {MIXED_FAMILY: MIXED_MEMBERS}
-)
-"""Cross-family sets of the zoo's registry: name -> member models."""
-
-COST_INPUT_SHAPE: Final[tuple[int, ...]] = (1, 8, 8)
-"""Input of the cost measurement ordering a cross-family set: one 8x8 channel."""
+Variant: TypeAlias = tuple[str, ModelConfig, str]
+"""One row of a family's table: ``(name, config, description)``."""
 
 
 @dataclass(frozen=True)
@@ -110,30 +64,27 @@ class ModelEntry:
         Architecture family, e.g. ``"resnet"``.
     size_rank : int
         Rank of the model by size within its family, 0 for the smallest.
-    builder : ModelBuilder
-        Function building the model.
+    config : ModelConfig
+        The frozen architecture that builds the model (e.g. a
+        :class:`~models.preresnet.PreResNetConfig`). Sectioned configs can be sliced
+        (:mod:`models.slicing`).
     description : str
         One-line human-readable description.
-    config : object or None
-        The frozen architecture config the builder builds (e.g. a
-        :class:`~models.preresnet.PreResNetConfig`), None where the family has none.
-        Sectioned configs can be sliced (:mod:`models.slicing`).
     """
 
     name: str
     family: str
     size_rank: int
-    builder: ModelBuilder
+    config: ModelConfig
     description: str = ""
-    config: object | None = None
 
 
 class ModelRegistry:
-    """A set of named model builders that refuses duplicates.
+    """A set of named model configs that refuses duplicates.
 
     The package keeps one default instance, used by the module-level functions
-    (:func:`register_model`, :func:`get_model`, ...); separate instances are useful in
-    tests.
+    (:func:`register_family`, :func:`get_model`, ...); separate instances are useful
+    in tests.
 
     Parameters
     ----------
@@ -165,31 +116,31 @@ class ModelRegistry:
     def register(
         self,
         name: str,
+        config: ModelConfig,
         *,
         family: str,
         size_rank: int,
         description: str = "",
-        config: object | None = None,
-    ) -> Callable[[BuilderT], BuilderT]:
-        """Return a decorator registering a builder under ``name``.
+    ) -> ModelEntry:
+        """Register ``config`` under ``name``.
 
         Parameters
         ----------
         name : str
             Unique model name.
+        config : ModelConfig
+            The frozen config that builds the model, exposed as ``ModelEntry.config``.
         family : str
             Architecture family.
         size_rank : int
             Rank by size within the family, 0 for the smallest; unique per family.
         description : str, optional
             One-line description.
-        config : object or None, optional
-            The frozen config the builder builds, exposed as ``ModelEntry.config``.
 
         Returns
         -------
-        Callable[[BuilderT], BuilderT]
-            A decorator that registers the builder and returns it unchanged.
+        ModelEntry
+            The new entry.
 
         Raises
         ------
@@ -212,30 +163,44 @@ class ModelRegistry:
                 f"size_rank must be >= 0 (0 = smallest in its family), got "
                 f"{size_rank} for model {name!r}."
             )
-
-        def decorator(builder: BuilderT) -> BuilderT:
-            if name in self._entries:
+        if name in self._entries:
+            raise ValueError(f"A model named {name!r} is already registered; pick another name.")
+        for entry in self._entries.values():
+            if entry.family == family and entry.size_rank == size_rank:
                 raise ValueError(
-                    f"A model named {name!r} is already registered; pick another name."
+                    f"Family {family!r} already has size_rank {size_rank} "
+                    f"(model {entry.name!r}); give {name!r} another size_rank."
                 )
-            for entry in self._entries.values():
-                if entry.family == family and entry.size_rank == size_rank:
-                    raise ValueError(
-                        f"Family {family!r} already has size_rank {size_rank} "
-                        f"(model {entry.name!r}); give {name!r} another size_rank."
-                    )
-            self._set_order.clear()
-            self._entries[name] = ModelEntry(
-                name=name,
-                family=family,
-                size_rank=size_rank,
-                builder=builder,
-                description=description,
-                config=config,
-            )
-            return builder
+        self._set_order.clear()
+        self._entries[name] = ModelEntry(
+            name=name,
+            family=family,
+            size_rank=size_rank,
+            config=config,
+            description=description,
+        )
+        return self._entries[name]
 
-        return decorator
+    def register_family(self, family: str, variants: Sequence[Variant]) -> None:
+        """Register a family's table of ``(name, config, description)`` by ascending size.
+
+        Each variant's size rank is its place in the table.
+
+        Parameters
+        ----------
+        family : str
+            Architecture family.
+        variants : Sequence[Variant]
+            The family's models, smallest first.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`register`: a name or ``(family, rank)`` already registered, an
+            empty name or family, or a family named like a cross-family set.
+        """
+        for rank, (name, config, description) in enumerate(variants):
+            self.register(name, config, family=family, size_rank=rank, description=description)
 
     def entry(self, name: str) -> ModelEntry:
         """Return the entry registered under ``name``.
@@ -277,10 +242,11 @@ class ModelRegistry:
 
         A cross-family set (e.g. ``"mixed"``) lists its members by ascending measured
         cost instead: multiply-accumulates of one forward pass on a
-        :data:`COST_INPUT_SHAPE` input (:func:`models.base.count_macs`), then the
-        parameter count, then the name. Measuring builds each member with batch norm
-        on the meta device (shapes only), without touching torch's random state. With
-        no ``family`` every registered model is listed once; the sets add no names.
+        :data:`~models.cross_family.COST_INPUT_SHAPE` input
+        (:func:`models.cost.count_macs`), then the parameter count, then the name.
+        Measuring builds each member with batch norm on the meta device (shapes
+        only), without touching torch's random state. With no ``family`` every
+        registered model is listed once; the sets add no names.
 
         Parameters
         ----------
@@ -324,10 +290,10 @@ class ModelRegistry:
             )
 
         def cost(name: str) -> tuple[int, int, str]:
-            # On the meta device: shapes only, no memory, no initialisation to pay for.
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                model = self.build(name, input_shape=COST_INPUT_SHAPE, num_classes=2)
-            return count_macs(model, COST_INPUT_SHAPE), count_parameters(model), name
+            macs, parameters = measured_cost(
+                lambda shape: self.build(name, input_shape=shape, num_classes=2)
+            )
+            return macs, parameters, name
 
         return sorted(members, key=cost)
 
@@ -341,40 +307,11 @@ class ModelRegistry:
         block_step: bool = False,
         flat_input: FlatInput = "signal",
     ) -> TesseraModel:
-        """Build the model registered under ``name``.
+        """Build the model registered under ``name``, or a slice of a sectioned one.
 
-        Parameters
-        ----------
-        name : str
-            Model name, or a slice of a sectioned one: ``"<model>@w<width>-d<depths>"``
-            (:func:`models.spec.slice_name`).
-        input_shape : Sequence[int]
-            Shape of one sample without the batch dimension: ``(C, H, W)``, ``(C, L)``
-            or ``(L,)``.
-        num_classes : int
-            Number of classes, at least 2.
-        norm : str, optional
-            Normalisation name, see :func:`models.norm.get_norm`; ``"batch"`` by
-            default.
-        block_step : bool, optional
-            Give every residual block a learnable step size (the config's
-            ``block_step``; NeFL). Only for families whose config has that field.
-        flat_input : FlatInput, optional
-            How a convolutional model reads a flat vector ``(L,)``: ``"signal"``
-            (default, 1-d convolutions) or ``"square"`` (a zero-padded square image,
-            2-d convolutions). Images are always 2-d and ``(C, L)`` signals 1-d
-            (``"square"`` is refused for them); the ``mlp`` family ignores it.
-
-        Returns
-        -------
-        TesseraModel
-            A freshly initialised model.
-
-        Raises
-        ------
-        ValueError
-            If the name, input shape, number of classes, norm or ``flat_input`` is
-            invalid, or ``block_step`` is asked of a model without step sizes.
+        The parameters, return value and errors are those of :func:`get_model`: the
+        inputs are validated, then the entry's config (with ``block_step`` set, then
+        sliced, when asked) builds the model.
         """
         model, spec = split_name(name)
         entry = self.entry(model)
@@ -389,98 +326,43 @@ class ModelRegistry:
                     f"model {model!r} has no residual blocks with step sizes, so it cannot "
                     "be built with block_step; use a preresnet or mobilenetv2 model"
                 )
-            config = replace(config, block_step=True)  # type: ignore[type-var]
-            if spec is None:
-                build = getattr(config, "build")  # noqa: B009 - config is typed object
-                built_full: TesseraModel = build(
-                    input_shape=shape, num_classes=classes, norm_layer=norm_layer, flat_input=flat
+            config = replace(config, block_step=True)
+        if spec is not None:
+            sliced = getattr(config, "sliced", None)
+            if sliced is None:
+                raise ValueError(
+                    f"model {model!r} has no sections, so it cannot be sliced as {name!r}; "
+                    "slice a preresnet or mobilenetv2 model"
                 )
-                return built_full
-        if spec is None:
-            return entry.builder(
-                input_shape=shape, num_classes=classes, norm_layer=norm_layer, flat_input=flat
-            )
-        sliced = getattr(config, "sliced", None)
-        if sliced is None:
-            raise ValueError(
-                f"model {model!r} has no sections, so it cannot be sliced as {name!r}; "
-                "slice a preresnet or mobilenetv2 model"
-            )
-        built: TesseraModel = sliced(spec.width, spec.depths).build(
+            config = sliced(spec.width, spec.depths)
+        return config.build(
             input_shape=shape, num_classes=classes, norm_layer=norm_layer, flat_input=flat
         )
-        return built
 
 
 _REGISTRY = ModelRegistry(cross_family_sets=CROSS_FAMILY_SETS)
 """The zoo's registry, filled when the family modules are imported."""
 
 
-def register_model(
-    name: str,
-    *,
-    family: str,
-    size_rank: int,
-    description: str = "",
-    config: object | None = None,
-) -> Callable[[BuilderT], BuilderT]:
-    """Return a decorator registering a builder in the zoo (:meth:`ModelRegistry.register`).
+def register_family(family: str, variants: Sequence[Variant]) -> None:
+    """Register a family's table of ``(name, config, description)`` in the zoo.
 
-    The parameters, return value and errors are those of
-    :meth:`ModelRegistry.register`; ``config`` is exposed as
-    ``model_entry(name).config``.
-    """
-    return _REGISTRY.register(
-        name, family=family, size_rank=size_rank, description=description, config=config
-    )
+    The size rank of each model is its place in the table, smallest first; its config
+    is exposed as ``model_entry(name).config`` (:meth:`ModelRegistry.register_family`).
 
-
-class BuildableConfig(Protocol):
-    """A frozen family config that builds its model (the table-driven families)."""
-
-    def build(
-        self,
-        *,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> TesseraModel:
-        """Build the model this config describes."""
-        ...
-
-
-def register_variants(family: str, variants: Sequence[tuple[str, BuildableConfig, str]]) -> None:
-    """Register a family's table of ``(name, config, description)`` by ascending size.
-
-    Each variant's builder is its config's ``build``; its size rank is its place in
-    the table, and the config is exposed as ``model_entry(name).config``.
+    Parameters
+    ----------
+    family : str
+        Architecture family.
+    variants : Sequence[Variant]
+        The family's models, smallest first.
 
     Raises
     ------
     ValueError
         If a name or ``(family, rank)`` is already registered.
     """
-    for rank, (name, config, description) in enumerate(variants):
-
-        def build(
-            *,
-            input_shape: tuple[int, ...],
-            num_classes: int,
-            norm_layer: NormFactory,
-            flat_input: FlatInput = "signal",
-            config: BuildableConfig = config,
-        ) -> TesseraModel:
-            return config.build(
-                input_shape=input_shape,
-                num_classes=num_classes,
-                norm_layer=norm_layer,
-                flat_input=flat_input,
-            )
-
-        register_model(name, family=family, size_rank=rank, description=description, config=config)(
-            build
-        )
+    _REGISTRY.register_family(family, variants)
 
 
 def get_model(
@@ -527,7 +409,7 @@ def get_model(
     ------
     ValueError
         If the name, input shape, number of classes, norm or ``flat_input`` is
-        invalid.
+        invalid, or ``block_step`` is asked of a model without step sizes.
     """
     return _REGISTRY.build(
         name,
@@ -542,11 +424,12 @@ def get_model(
 def list_models(family: str | None = None) -> list[str]:
     """Return registered model names, ordered by family then ascending size rank.
 
-    ``list_models("mixed")`` (:data:`MIXED_FAMILY`) returns the cross-family set
-    :data:`MIXED_MEMBERS`, one model per family, ordered by ascending
-    multiply-accumulates on a one-channel 8x8 input (:func:`models.base.count_macs`;
-    ties by parameter count): each member keeps its own family and size rank. With no
-    ``family``, every registered model is listed once.
+    ``list_models("mixed")`` (:data:`~models.cross_family.MIXED_FAMILY`) returns the
+    cross-family set :data:`~models.cross_family.MIXED_MEMBERS`, one model per family,
+    ordered by ascending multiply-accumulates on a one-channel 8x8 input
+    (:func:`models.cost.count_macs`; ties by parameter count): each member keeps its
+    own family and size rank. With no ``family``, every registered model is listed
+    once.
 
     Parameters
     ----------
@@ -588,7 +471,7 @@ def model_entry(name: str) -> ModelEntry:
     Returns
     -------
     ModelEntry
-        Its entry: family, size rank, builder, description, config.
+        Its entry: family, size rank, config, description.
 
     Raises
     ------

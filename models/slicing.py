@@ -29,17 +29,18 @@ functions are called, not when :mod:`models` is.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, TypeVar
 
-from models.base import (
+from models.base import FamilyConfig, TesseraModel
+from models.inputs import (
     FlatInput,
-    TesseraModel,
     validate_flat_input,
     validate_input_shape,
     validate_num_classes,
 )
-from models.norm import NormFactory, get_norm
+from models.norm import get_norm
 from models.registry import list_models, model_entry
 from models.spec import Layout, SubModelSpec
 
@@ -61,44 +62,75 @@ HEAD_KEYS: Final = ("head.weight", "head.bias")
 """The classifier's entries, which keep every class (every model's head is ``head``)."""
 
 
-@runtime_checkable
-class SectionedConfig(Protocol):
-    """A frozen family config whose blocks are ``sections.{s}.{b}``, sliceable by spec."""
+SectionedT = TypeVar("SectionedT", bound="SectionedConfig")
+
+
+class SectionedConfig(FamilyConfig):
+    """Base of a frozen family config whose blocks are ``sections.{s}.{b}``, sliceable by spec.
+
+    A subclass is a frozen dataclass with a ``slice_width`` field (1 for a global
+    model) that tells its section depths, minimum section depth and stem key, and
+    applies a checked slice in :meth:`with_slice`.
+    """
+
+    slice_width: float
+    """Width ratio of this config relative to its global model, 1 for the global."""
 
     @property
-    def slice_width(self) -> float:
-        """Width ratio of this config relative to its global model, 1 for the global."""
-        ...
-
-    @property
+    @abstractmethod
     def section_depths(self) -> tuple[int, ...]:
         """Blocks in each section."""
-        ...
 
     @property
+    @abstractmethod
     def min_section_depth(self) -> int:
         """Fewest blocks a slice keeps per section: 2 if a first block is special."""
-        ...
 
     @property
+    @abstractmethod
     def stem_key(self) -> str:
         """State-dict key of the first layer's weight (it keeps the data's channels)."""
-        ...
 
-    def sliced(self, width: float, depths: Sequence[int]) -> SectionedConfig:
-        """Return the config of the sub-model ``width`` x ``depths`` of this global one."""
-        ...
+    def sliced(self: SectionedT, width: float, depths: Sequence[int]) -> SectionedT:
+        """Return the config of a sub-model of this global model.
 
-    def build(
-        self,
-        *,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> TesseraModel:
-        """Build the model this config describes."""
-        ...
+        Parameters
+        ----------
+        width : float
+            Share of every channel count kept, in ``(0, 1]``.
+        depths : Sequence[int]
+            Blocks kept per section (the first ones), at least
+            :attr:`min_section_depth` (or the section's depth if smaller).
+
+        Returns
+        -------
+        SectionedConfig
+            The slice: ``depths`` blocks per section, ``slice_width=width``.
+
+        Raises
+        ------
+        ValueError
+            If this config is already a slice or the slice does not fit it.
+        """
+        checked_width, kept = check_slice(self, width, depths)
+        return self.with_slice(checked_width, kept)
+
+    @abstractmethod
+    def with_slice(self: SectionedT, width: float, depths: tuple[int, ...]) -> SectionedT:
+        """Return this config with ``depths`` blocks per section and ``slice_width=width``.
+
+        Parameters
+        ----------
+        width : float
+            Width ratio, already checked.
+        depths : tuple[int, ...]
+            Blocks per section, already checked.
+
+        Returns
+        -------
+        SectionedConfig
+            The sliced config.
+        """
 
 
 def check_slice(

@@ -1,8 +1,10 @@
 """The ``torchvision`` family: torchvision's ImageNet architectures, untrained.
 
-Each builder imports torchvision lazily, so ``import models`` works on an image
-without torchvision; building a ``tv-*`` model there raises an ``ImportError`` that
-says how to fix it. Weights are never downloaded (``weights=None``).
+Each model is a frozen :class:`TorchvisionConfig` (which torchvision constructor,
+where its classifier is) whose :meth:`~TorchvisionConfig.build` imports torchvision
+lazily, so ``import models`` works on an image without torchvision; building a
+``tv-*`` model there raises an ``ImportError`` that says how to fix it. Weights are
+never downloaded (``weights=None``).
 
 Adaptation to the zoo's interface:
 
@@ -20,7 +22,7 @@ Adaptation to the zoo's interface:
   downsample by 32, so an 8x8 digit would otherwise be 1x1 after the second stage.
 
 Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give a 1-d form
-(:class:`models.base.InputAdapter`): torchvision builds the 2-d network with the 1-d
+(:class:`models.inputs.InputAdapter`): torchvision builds the 2-d network with the 1-d
 counterpart of the injected norm (``BatchNorm1d``), then every ``Conv2d``,
 ``MaxPool2d`` and ``AdaptiveAvgPool2d`` is replaced by its 1-d counterpart with the
 same channels, groups and (first-axis) kernel size, stride, padding and dilation
@@ -33,16 +35,24 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Final
+from typing import Final, Literal
 
 from torch import Tensor, nn
 
-from models.base import FlatInput, InputAdapter, TesseraModel
-from models.norm import NormFactory, batch_norm, norm_for_ndim
-from models.registry import list_families, register_model
+from models.base import TesseraModel
+from models.inputs import FlatInput, InputAdapter
+from models.norm import NormFactory, norm_for_ndim
+from models.registry import list_families, register_family
 
-__all__ = ["MIN_INPUT_SIZE", "TorchvisionModel", "convert_to_1d"]
+__all__ = [
+    "MIN_INPUT_SIZE",
+    "TORCHVISION_VARIANTS",
+    "TorchvisionConfig",
+    "TorchvisionModel",
+    "convert_to_1d",
+]
 
 FAMILY: Final = "torchvision"
 
@@ -246,125 +256,108 @@ def _as_linear(module: object, where: str) -> nn.Linear:
     return module
 
 
-def _resnet(
-    model_name: str,
-    arch: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory,
-    flat_input: FlatInput,
-) -> TorchvisionModel:
-    tvm = _torchvision_models(model_name)
-    adapter = InputAdapter(input_shape=input_shape, flat_input=flat_input)
-    model: nn.Module = getattr(tvm, arch)(
-        weights=None, num_classes=num_classes, norm_layer=norm_for_ndim(norm_layer, adapter.ndim)
-    )
-    _adapt_first_conv(model, adapter.output_shape[0])
-    head = _as_linear(model.fc, f"{arch}.fc")
-    model.fc = nn.Identity()
-    if adapter.ndim == 1:
-        convert_to_1d(model)
-    return TorchvisionModel(
-        backbone=model,
-        head=head,
-        input_shape=input_shape,
-        num_classes=num_classes,
-        flat_input=flat_input,
-    )
+@dataclass(frozen=True)
+class TorchvisionConfig:
+    """Which torchvision classifier a ``tv-*`` model is, and how it is adapted.
+
+    Attributes
+    ----------
+    arch : str
+        Name of the constructor in ``torchvision.models``, e.g. ``"resnet18"``; the
+        model is registered as ``tv-<arch>`` (:attr:`model_name`).
+    classifier : {"fc", "classifier"}
+        Where the last linear layer, which becomes the head, sits: ``"fc"`` for
+        ResNet's ``fc`` (replaced by an identity); ``"classifier"`` for
+        MobileNetV3's ``classifier`` (pre-logits, activation, dropout, linear),
+        built with ``dropout=0.0`` and cut to pre-logits and activation.
+    """
+
+    arch: str
+    classifier: Literal["fc", "classifier"]
+
+    @property
+    def model_name(self) -> str:
+        """The registered name, ``tv-<arch>``."""
+        return f"tv-{self.arch}"
+
+    def build(
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        norm_layer: NormFactory,
+        flat_input: FlatInput = "signal",
+    ) -> TorchvisionModel:
+        """Build the torchvision network behind the zoo's interface (module docstring).
+
+        Parameters
+        ----------
+        input_shape : Sequence[int]
+            Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
+        num_classes : int
+            Number of classes, at least 2.
+        norm_layer : NormFactory
+            Normalisation replacing torchvision's, mapped to the input's
+            dimensionality (:func:`models.norm.norm_for_ndim`).
+        flat_input : FlatInput, optional
+            How a flat vector is read, ``"signal"`` (default) or ``"square"``.
+
+        Returns
+        -------
+        TorchvisionModel
+            A freshly initialised, untrained model.
+
+        Raises
+        ------
+        ImportError
+            If torchvision is not installed; the message says how to fix it.
+        """
+        tvm = _torchvision_models(self.model_name)
+        adapter = InputAdapter(input_shape=input_shape, flat_input=flat_input)
+        options = {"dropout": 0.0} if self.classifier == "classifier" else {}
+        model: nn.Module = getattr(tvm, self.arch)(
+            weights=None,
+            num_classes=num_classes,
+            norm_layer=norm_for_ndim(norm_layer, adapter.ndim),
+            **options,
+        )
+        _adapt_first_conv(model, adapter.output_shape[0])
+        if self.classifier == "fc":
+            head = _as_linear(model.fc, f"{self.arch}.fc")
+            model.fc = nn.Identity()
+        else:
+            pre_logits, activation, _dropout, last = model.get_submodule("classifier").children()
+            head = _as_linear(last, f"{self.arch}.classifier[3]")
+            model.classifier = nn.Sequential(pre_logits, activation)
+        if adapter.ndim == 1:
+            convert_to_1d(model)
+        return TorchvisionModel(
+            backbone=model,
+            head=head,
+            input_shape=input_shape,
+            num_classes=num_classes,
+            flat_input=flat_input,
+        )
 
 
-def _mobilenet_v3(
-    model_name: str,
-    arch: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory,
-    flat_input: FlatInput,
-) -> TorchvisionModel:
-    tvm = _torchvision_models(model_name)
-    adapter = InputAdapter(input_shape=input_shape, flat_input=flat_input)
-    model: nn.Module = getattr(tvm, arch)(
-        weights=None,
-        num_classes=num_classes,
-        norm_layer=norm_for_ndim(norm_layer, adapter.ndim),
-        dropout=0.0,
+TORCHVISION_VARIANTS: Final[tuple[tuple[str, TorchvisionConfig, str], ...]] = tuple(
+    (config.model_name, config, description)
+    for config, description in (
+        (
+            TorchvisionConfig(arch="mobilenet_v3_small", classifier="classifier"),
+            "torchvision MobileNetV3-Small, untrained, 1024-d features",
+        ),
+        (
+            TorchvisionConfig(arch="mobilenet_v3_large", classifier="classifier"),
+            "torchvision MobileNetV3-Large, untrained, 1280-d features",
+        ),
+        (
+            TorchvisionConfig(arch="resnet18", classifier="fc"),
+            "torchvision ResNet-18 (ImageNet stem), untrained, 512-d features",
+        ),
     )
-    _adapt_first_conv(model, adapter.output_shape[0])
-    classifier = list(model.get_submodule("classifier").children())
-    pre_logits, activation, _dropout, last = classifier
-    head = _as_linear(last, f"{arch}.classifier[3]")
-    model.classifier = nn.Sequential(pre_logits, activation)
-    if adapter.ndim == 1:
-        convert_to_1d(model)
-    return TorchvisionModel(
-        backbone=model,
-        head=head,
-        input_shape=input_shape,
-        num_classes=num_classes,
-        flat_input=flat_input,
-    )
-
-
-@register_model(
-    "tv-mobilenet_v3_small",
-    family=FAMILY,
-    size_rank=0,
-    description="torchvision MobileNetV3-Small, untrained, 1024-d features",
 )
-def tv_mobilenet_v3_small(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-    flat_input: FlatInput = "signal",
-) -> TorchvisionModel:
-    """Build torchvision's MobileNetV3-Small behind the zoo's interface."""
-    return _mobilenet_v3(
-        "tv-mobilenet_v3_small",
-        "mobilenet_v3_small",
-        input_shape,
-        num_classes,
-        norm_layer,
-        flat_input,
-    )
+"""The registered models, ``(name, config, description)`` by ascending size rank."""
 
 
-@register_model(
-    "tv-mobilenet_v3_large",
-    family=FAMILY,
-    size_rank=1,
-    description="torchvision MobileNetV3-Large, untrained, 1280-d features",
-)
-def tv_mobilenet_v3_large(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-    flat_input: FlatInput = "signal",
-) -> TorchvisionModel:
-    """Build torchvision's MobileNetV3-Large behind the zoo's interface."""
-    return _mobilenet_v3(
-        "tv-mobilenet_v3_large",
-        "mobilenet_v3_large",
-        input_shape,
-        num_classes,
-        norm_layer,
-        flat_input,
-    )
-
-
-@register_model(
-    "tv-resnet18",
-    family=FAMILY,
-    size_rank=2,
-    description="torchvision ResNet-18 (ImageNet stem), untrained, 512-d features",
-)
-def tv_resnet18(
-    *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    norm_layer: NormFactory = batch_norm,
-    flat_input: FlatInput = "signal",
-) -> TorchvisionModel:
-    """Build torchvision's ResNet-18 behind the zoo's interface."""
-    return _resnet("tv-resnet18", "resnet18", input_shape, num_classes, norm_layer, flat_input)
+register_family(FAMILY, TORCHVISION_VARIANTS)

@@ -19,7 +19,7 @@ as in the CIFAR variants of VGG. The names keep the depth of the table they come
 Signals ``(C, L)`` and, by default, flat vectors ``(L,)`` give the 1-d form of the
 same table (``Conv1d``, 1-d norms and pooling, built through
 :class:`models.layers.SpatialLayers`); ``flat_input="square"`` reshapes a flat vector
-to a one-channel square image instead, see :class:`models.base.InputAdapter`.
+to a one-channel square image instead, see :class:`models.inputs.InputAdapter`.
 
 State-dict layout: convolution ``i`` of stage ``s`` under ``stages.{s}.{3 * i}.``, its
 norm under ``stages.{s}.{3 * i + 1}.``, the classifier ``head``. The max-pools carry
@@ -28,7 +28,7 @@ no parameters and come last in a stage, so the keys do not depend on the input s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral
 from types import MappingProxyType
@@ -36,10 +36,10 @@ from typing import Final
 
 from torch import Tensor, nn
 
-from models.base import FlatInput, InputAdapter, TesseraModel
-from models.layers import init_conv_weights, make_divisible
-from models.norm import NormFactory, batch_norm
-from models.registry import register_variants
+from models.base import ConvModel, FamilyConfig
+from models.layers import SpatialLayers, make_divisible
+from models.norm import NormFactory
+from models.registry import register_family
 
 __all__ = ["VGG", "VGG_STAGE_TABLES", "VGG_VARIANTS", "VGGConfig"]
 
@@ -62,8 +62,43 @@ def _is_positive_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
+class VGG(ConvModel):
+    """VGG body (conv-norm-ReLU stages, max-pools), global average pool, linear head.
+
+    Built from a :class:`VGGConfig` (convolution widths per stage and width
+    multiplier); the parameters are those of :class:`~models.base.ConvModel`.
+    """
+
+    config: VGGConfig
+
+    def build_body(self, layers: SpatialLayers, norm_layer: NormFactory) -> None:
+        """Build the stages of 3x3 convolutions and the global pool."""
+        in_channels, *size = self.adapter.output_shape
+        stages: list[nn.Module] = []
+        for stage_widths in self.config.widths:
+            stage: list[nn.Module] = []
+            for out_channels in stage_widths:
+                stage += [
+                    layers.conv3x3(in_channels, out_channels),
+                    norm_layer(out_channels),
+                    nn.ReLU(),
+                ]
+                in_channels = out_channels
+            if min(size) > 1:
+                stage.append(layers.max_pool())
+                size = [s // 2 for s in size]
+            stages.append(nn.Sequential(*stage))
+        self.stages = nn.Sequential(*stages)
+        self.pool = layers.global_pool()
+
+    def forward_body(self, x: Tensor) -> Tensor:
+        """Apply the stages and the global pool."""
+        z: Tensor = self.pool(self.stages(x))
+        return z
+
+
 @dataclass(frozen=True)
-class VGGConfig:
+class VGGConfig(FamilyConfig):
     """Architecture of a :class:`VGG`.
 
     Attributes
@@ -76,6 +111,8 @@ class VGGConfig:
     round_nearest : int
         Widths are rounded to multiples of this (:func:`models.layers.make_divisible`).
     """
+
+    model_class = VGG
 
     stages: tuple[tuple[int, ...], ...]
     width_mult: float = 1.0
@@ -118,93 +155,6 @@ class VGGConfig:
         """Number of 3x3 convolutions."""
         return sum(len(stage) for stage in self.stages)
 
-    def build(
-        self,
-        *,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory,
-        flat_input: FlatInput = "signal",
-    ) -> VGG:
-        """Build the :class:`VGG` this config describes."""
-        return VGG(
-            config=self,
-            input_shape=input_shape,
-            num_classes=num_classes,
-            norm_layer=norm_layer,
-            flat_input=flat_input,
-        )
-
-
-class VGG(TesseraModel):
-    """VGG body (conv-norm-ReLU stages, max-pools), global average pool, linear head.
-
-    Parameters
-    ----------
-    config : VGGConfig
-        Convolution widths per stage and width multiplier.
-    input_shape : Sequence[int]
-        Shape of one sample, ``(C, H, W)``, ``(C, L)`` or ``(L,)``.
-    num_classes : int
-        Number of classes, at least 2.
-    norm_layer : NormFactory, optional
-        Normalisation after each convolution, batch norm by default.
-    flat_input : FlatInput, optional
-        How a flat vector is read, ``"signal"`` (default) or ``"square"``.
-    """
-
-    def __init__(
-        self,
-        *,
-        config: VGGConfig,
-        input_shape: Sequence[int],
-        num_classes: int,
-        norm_layer: NormFactory = batch_norm,
-        flat_input: FlatInput = "signal",
-    ) -> None:
-        super().__init__(
-            input_shape=input_shape, feature_dim=config.feature_dim, num_classes=num_classes
-        )
-        self.config = config
-        self.adapter = InputAdapter(input_shape=self.input_shape, flat_input=flat_input)
-        spatial = self.adapter.layers
-        norm_layer = spatial.norm(norm_layer)
-        in_channels, *size = self.adapter.output_shape
-        stages: list[nn.Module] = []
-        for stage_widths in config.widths:
-            layers: list[nn.Module] = []
-            for out_channels in stage_widths:
-                layers += [
-                    spatial.conv3x3(in_channels, out_channels),
-                    norm_layer(out_channels),
-                    nn.ReLU(),
-                ]
-                in_channels = out_channels
-            if min(size) > 1:
-                layers.append(spatial.max_pool())
-                size = [s // 2 for s in size]
-            stages.append(nn.Sequential(*layers))
-        self.stages = nn.Sequential(*stages)
-        self.pool = spatial.global_pool()
-        self.head = nn.Linear(config.feature_dim, num_classes)
-        init_conv_weights(self)
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Map a batch to pooled representations of size ``feature_dim``.
-
-        Parameters
-        ----------
-        x : Tensor
-            Batch of shape ``(N, *input_shape)``.
-
-        Returns
-        -------
-        Tensor
-            Representations of shape ``(N, feature_dim)``.
-        """
-        z: Tensor = self.pool(self.stages(self.adapter(x)))
-        return z
-
 
 VGG_VARIANTS: Final[tuple[tuple[str, VGGConfig, str], ...]] = tuple(
     (
@@ -224,4 +174,4 @@ A name is the table's depth and the width multiplier without its point.
 """
 
 
-register_variants("vgg", VGG_VARIANTS)
+register_family("vgg", VGG_VARIANTS)

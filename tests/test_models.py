@@ -31,12 +31,12 @@ from models import (
     list_models,
     list_norms,
     model_entry,
-    register_model,
 )
-from models.base import InputAdapter
+from models.cnn import CNN_VARIANTS
+from models.inputs import InputAdapter
 from models.layers import make_divisible
 from models.norm import group_count
-from models.registry import ModelRegistry
+from models.registry import ModelRegistry, register_family
 from models.resnet import RESNET_STAGE_BLOCKS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,35 +100,82 @@ def test_unknown_model_raises_with_name_and_choices() -> None:
         model_entry("resnet-9000")
 
 
+CNN_1, CNN_2 = CNN_VARIANTS[0][1], CNN_VARIANTS[1][1]
+
+
 def test_duplicate_name_raises() -> None:
     # Prepare
     registry = ModelRegistry()
-    registry.register("a", family="f", size_rank=0)(models.cnn.cnn_1)
+    registry.register("a", CNN_1, family="f", size_rank=0)
 
     # Execute / Assert
     with pytest.raises(ValueError, match="'a' is already registered"):
-        registry.register("a", family="g", size_rank=0)(models.cnn.cnn_2)
+        registry.register("a", CNN_2, family="g", size_rank=0)
+    with pytest.raises(ValueError, match="'a' is already registered"):
+        registry.register_family("h", [("b", CNN_1, ""), ("a", CNN_2, "")])
     with pytest.raises(ValueError, match="'cnn-1' is already registered"):
-        register_model("cnn-1", family="other", size_rank=0)(models.cnn.cnn_1)
+        register_family("other", [("cnn-1", CNN_1, "")])
     assert model_entry("cnn-1").family == "cnn"
 
 
 def test_duplicate_family_rank_raises() -> None:
     registry = ModelRegistry()
-    registry.register("a", family="f", size_rank=0)(models.cnn.cnn_1)
+    registry.register("a", CNN_1, family="f", size_rank=0)
 
     with pytest.raises(ValueError, match="already has size_rank 0"):
-        registry.register("b", family="f", size_rank=0)(models.cnn.cnn_2)
+        registry.register("b", CNN_2, family="f", size_rank=0)
+    with pytest.raises(ValueError, match="already has size_rank 0"):
+        registry.register_family("f", [("c", CNN_2, "")])
     with pytest.raises(ValueError, match="size_rank must be >= 0"):
-        registry.register("c", family="f", size_rank=-1)
+        registry.register("c", CNN_2, family="f", size_rank=-1)
     assert registry.names() == ["a"]
+
+
+def test_register_family_ranks_by_place_in_table() -> None:
+    # Prepare
+    registry = ModelRegistry()
+
+    # Execute
+    registry.register_family("f", [("small", CNN_1, "one conv"), ("big", CNN_2, "two convs")])
+
+    # Assert: ranks 0, 1 in table order; each entry keeps its config and description
+    assert registry.names("f") == ["small", "big"]
+    assert [registry.entry(n).size_rank for n in ("small", "big")] == [0, 1]
+    assert registry.entry("big").config is CNN_2
+    assert registry.entry("small").description == "one conv"
+
+
+def test_registered_ranks_are_contiguous() -> None:
+    for family in [f for f in list_families() if f != "mixed"]:
+        ranks = [model_entry(n).size_rank for n in list_models(family)]
+        assert ranks == list(range(len(ranks))), family
+
+
+@pytest.mark.parametrize("name", ["cnn-2", "mlp-s", "resnet10", "vgg11_0125"])
+def test_get_model_builds_the_entrys_config(name: str) -> None:
+    # Prepare
+    config = model_entry(name).config
+    torch.manual_seed(5)
+    expected = config.build(
+        input_shape=(20,), num_classes=NUM_CLASSES, norm_layer=get_norm("group")
+    )
+
+    # Execute
+    torch.manual_seed(5)
+    model = get_model(name, input_shape=(20,), num_classes=NUM_CLASSES, norm="group")
+
+    # Assert: same class, same keys in the same order, same values
+    assert type(model) is type(expected)
+    assert list(model.state_dict()) == list(expected.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected.state_dict()[key]), key
 
 
 def test_list_models_orders_by_family_then_size_rank() -> None:
     # Prepare: a registry filled out of order
     registry = ModelRegistry()
     for name, family, rank in [("z1", "b", 1), ("z0", "b", 0), ("y", "a", 3)]:
-        registry.register(name, family=family, size_rank=rank)(models.cnn.cnn_1)
+        registry.register(name, CNN_1, family=family, size_rank=rank)
 
     # Execute / Assert
     assert registry.names() == ["y", "z0", "z1"]

@@ -23,7 +23,7 @@ from models import (
     list_norms,
     model_entry,
 )
-from models.base import InputAdapter, validate_input_shape
+from models.inputs import InputAdapter, validate_input_shape
 from models.layers import LAYERS_1D, LAYERS_2D, SpatialLayers, spatial_layers
 from models.norm import batch_norm, batch_norm_1d, norm_for_ndim, static_batch_norm_1d
 from models.spec import slice_name

@@ -24,9 +24,10 @@ from models import (
     list_models,
     list_norms,
     model_entry,
-    register_model,
 )
-from models.registry import MIXED_FAMILY, MIXED_MEMBERS, ModelRegistry
+from models.cnn import CNN_VARIANTS
+from models.cross_family import MIXED_FAMILY, MIXED_MEMBERS
+from models.registry import ModelRegistry, register_family
 from models.vgg import VGG_STAGE_TABLES
 
 NUM_CLASSES = 7  # not a default anywhere, so a head built for the wrong size fails
@@ -315,8 +316,6 @@ def test_mixed_costs_grow_together(input_shape: tuple[int, ...]) -> None:
 
 def test_mixed_is_an_alias_not_a_registration() -> None:
     # Prepare
-    from models.cnn import cnn_1
-
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
@@ -335,16 +334,16 @@ def test_mixed_is_an_alias_not_a_registration() -> None:
     assert all(model_entry(n).family != "mixed" for n in everything)
     torch.testing.assert_close(drawn, expected)
     with pytest.raises(ValueError, match="'mixed' is the name of a cross-family set"):
-        register_model("mixed-1", family="mixed", size_rank=0)(cnn_1)
+        register_family("mixed", [("mixed-1", CNN_VARIANTS[0][1], "")])
 
 
 def test_cross_family_set_of_a_separate_registry() -> None:
     # Prepare: a registry whose set lists the bigger model first
-    from models.cnn import cnn_1, cnn_5
+    cnn_1, cnn_5 = CNN_VARIANTS[0][1], CNN_VARIANTS[4][1]
 
     registry = ModelRegistry(cross_family_sets={"both": ("big", "small")})
-    registry.register("big", family="b", size_rank=0)(cnn_5)
-    registry.register("small", family="a", size_rank=0)(cnn_1)
+    registry.register("big", cnn_5, family="b", size_rank=0)
+    registry.register("small", cnn_1, family="a", size_rank=0)
 
     # Execute / Assert
     assert registry.families() == ["a", "b", "both"]
@@ -353,7 +352,7 @@ def test_cross_family_set_of_a_separate_registry() -> None:
 
 
 def test_cross_family_set_errors() -> None:
-    from models.cnn import cnn_1, cnn_2
+    cnn_1, cnn_2 = CNN_VARIANTS[0][1], CNN_VARIANTS[1][1]
 
     with pytest.raises(ValueError, match="distinct member models"):
         ModelRegistry(cross_family_sets={"s": ("a", "a")})
@@ -361,13 +360,12 @@ def test_cross_family_set_errors() -> None:
         ModelRegistry(cross_family_sets={"s": ()})
 
     unregistered = ModelRegistry(cross_family_sets={"s": ("a", "ghost")})
-    unregistered.register("a", family="f", size_rank=0)(cnn_1)
+    unregistered.register("a", cnn_1, family="f", size_rank=0)
     with pytest.raises(ValueError, match="Unknown model 'ghost'"):
         unregistered.names("s")
 
     same_family = ModelRegistry(cross_family_sets={"s": ("a", "b")})
-    same_family.register("a", family="f", size_rank=0)(cnn_1)
-    same_family.register("b", family="f", size_rank=1)(cnn_2)
+    same_family.register_family("f", [("a", cnn_1, ""), ("b", cnn_2, "")])
     with pytest.raises(ValueError, match=r"at most one model per family.*a \(f\), b \(f\)"):
         same_family.names("s")
 
