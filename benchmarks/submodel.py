@@ -279,7 +279,7 @@ def node_archs(cell: Cell, nodes: int) -> dict[int, str]:
 def slice_macs(arch: str, input_shape: tuple[int, ...], num_classes: int) -> int:
     """Forward multiply-accumulates of one example through slice ``arch``."""
     from models import get_model
-    from models.base import count_macs
+    from models.cost import count_macs
 
     model = get_model(arch, input_shape=input_shape, num_classes=num_classes)
     return int(count_macs(model, input_shape))

@@ -23,9 +23,6 @@ from typing import ClassVar, Protocol
 
 from torch import Tensor, nn
 
-# Re-exported for the packages that import the counters from here
-# (strategies/fedhenn/server.py, benchmarks/submodel.py); they live in models.cost.
-from models.cost import count_macs, count_parameters
 from models.inputs import FlatInput, InputAdapter, validate_input_shape, validate_num_classes
 from models.layers import SpatialLayers, init_conv_weights
 from models.norm import NormFactory, batch_norm
@@ -35,8 +32,6 @@ __all__ = [
     "FamilyConfig",
     "ModelConfig",
     "TesseraModel",
-    "count_macs",
-    "count_parameters",
 ]
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from models.base import TesseraModel, count_parameters
+from models.base import TesseraModel
+from models.cost import count_parameters
 from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.groups import NonFiniteStateError
 from strategies.core.strategy import HeteroStrategy
