@@ -26,7 +26,7 @@ from client_app.device import DeviceProfileError
 from models import get_model, model_entry
 from tessera import wire
 from tessera.config import ConfigError, NodeConfig, RunConfig
-from tessera.data.cache import clear_memory_cache
+from tessera.data.cache_memory import clear_memory_cache
 from tests.conftest import instruction, make_context
 
 RunConfigFactory = Callable[..., dict[str, Any]]

@@ -17,6 +17,7 @@ from tessera.data import (
     DatasetSpec,
     NodeSplits,
     PartitionConfig,
+    cache_keys,
     client_data,
     load_bundle,
     local_data,
@@ -25,14 +26,10 @@ from tessera.data import (
     node_partition_data,
 )
 from tessera.data import cache as data_cache
-from tessera.data.cache import (
-    CACHE_DIR_NAME,
-    MAX_DISK_ENTRIES,
-    MemoryCache,
-    cache_file,
-    clear_memory_cache,
-    partition_key,
-)
+from tessera.data.cache import CACHE_DIR_NAME
+from tessera.data.cache_entry import MAX_DISK_ENTRIES, cache_file
+from tessera.data.cache_keys import partition_key
+from tessera.data.cache_memory import MemoryCache, clear_memory_cache
 
 PARTITION = PartitionConfig("dirichlet", alpha=0.5, seed=3)
 
@@ -299,9 +296,9 @@ def test_a_library_upgrade_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     # partition must stay the one the server computes.
     load = CountingLoader()
     _partition(tmp_path, load)
-    versions = data_cache.library_versions()
+    versions = cache_keys.library_versions()
     monkeypatch.setattr(
-        data_cache, "library_versions", lambda: {**versions, "scikit-learn": "99.0"}
+        cache_keys, "library_versions", lambda: {**versions, "scikit-learn": "99.0"}
     )
     clear_memory_cache()
 

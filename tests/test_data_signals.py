@@ -18,7 +18,7 @@ from tessera.data import (
     node_local_data,
     node_partition_data,
 )
-from tessera.data.cache import clear_memory_cache
+from tessera.data.cache_memory import clear_memory_cache
 
 
 def _signals(n: int, channels: int = 2, length: int = 32) -> np.ndarray:

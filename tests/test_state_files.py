@@ -38,14 +38,9 @@ from tessera.checkpoint import (
 )
 from tessera.config import ConfigError
 from tessera.data import DatasetSpec, NodeSplits, load_bundle, node_partition_data
-from tessera.data.cache import (
-    MemoryCache,
-    cache_file,
-    clear_memory_cache,
-    entry_problem,
-    partition_key,
-    read_entry,
-)
+from tessera.data.cache_entry import cache_file, entry_problem, read_entry
+from tessera.data.cache_keys import partition_key
+from tessera.data.cache_memory import MemoryCache, clear_memory_cache
 from tessera.data.spec import PartitionConfig
 from tessera.node_state import FILE_NAME, NodeState, model_problem, record_problem
 from tessera.state_checks import (

@@ -24,7 +24,9 @@ The modules, one concern each:
   :func:`local_data`;
 - :mod:`tessera.data.plot`: :func:`plot_label_distribution`;
 - :mod:`tessera.data.cache`: a node's data kept across messages, in memory and in
-  ``<state-dir>/.data-cache`` (:func:`node_partition_data`, :func:`node_local_data`).
+  ``<state-dir>/.data-cache`` (:func:`node_partition_data`, :func:`node_local_data`);
+  its keys in :mod:`tessera.data.cache_keys`, its entries on disk in
+  :mod:`tessera.data.cache_entry`, in memory in :mod:`tessera.data.cache_memory`.
 
 Nothing here imports scikit-learn, flwr-datasets, datasets or matplotlib at import
 time: a deployed ClientApp is a fresh process per message, and those load only in
