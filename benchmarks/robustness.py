@@ -303,7 +303,7 @@ def run_cell(
         ``stopped`` is the reason when the run stopped early (``max-failed-rounds``
         rounds in a row skipped, e.g. every honest client failing), else ``None``.
     """
-    from client_app.attacks import install_omniscient
+    from client_app.attacks.omniscient import install_omniscient
     from server_app.app import build_server
     from strategies.core.strategy import RunStoppedError
     from tessera.attacks import attacked_partitions

@@ -23,14 +23,10 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message, RecordDict
 
-from client_app.attacks import (
-    AttackClient,
-    AttackSpec,
-    OmniscientAttack,
-    flatten,
-    install_omniscient,
-    unflatten,
-)
+from client_app.attacks.client import AttackClient
+from client_app.attacks.omniscient import OmniscientAttack, install_omniscient
+from client_app.attacks.spec import AttackSpec
+from client_app.attacks.vectors import flatten, unflatten
 from server_app.app import build_server
 from tessera import attack_math, wire
 from tessera.attacks import attack_assignment, require_client_side
