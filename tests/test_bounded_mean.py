@@ -15,8 +15,9 @@ import pytest
 import strategies.core.aggregators as aggregators
 import strategies.core.fused as fused
 import strategies.core.measure as measure
-from strategies.core.mean import MeanAccumulator, next_scale
+from strategies.core.mean import MeanAccumulator
 from strategies.core.measure import measure_and_fold, reference_norms, squared_distance
+from strategies.core.scales import next_scale
 from strategies.core.validation import weight_caps
 
 

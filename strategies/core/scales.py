@@ -1,0 +1,296 @@
+"""The bounded ``mean``'s scales: how far an update may move the model, round to round.
+
+The bound of a kind of entry (:func:`~strategies.core.aggregators.entry_kind`) is
+``clip-factor`` times its *scale*, the lower median of the distances the last
+committed round accepted, moved by at most ``bound-growth`` a round
+(:func:`next_scale`), and at most ``clip-ceiling`` times the global model's own norm.
+Sub-model slices of one width are measured against each other (:func:`scale_key`),
+and every update also counts in whole-model units towards the pooled scale
+(``kind@all``). The scales are the accumulator's checkpoint state: one round's
+:meth:`ScaleBook.medians` are the next round's ``previous``.
+
+:class:`ScaleBook` keeps that bookkeeping for one round of
+:class:`strategies.core.mean.MeanAccumulator`: the bounds it streams with, what each
+update had accepted, the bounds of a first round's buffered updates, and the scales it
+reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from strategies.core.aggregators import Clip, entry_kind, lower_median
+from strategies.core.measure import is_floating, reference_norms
+from strategies.core.sums import Checked
+
+CEILING_SCALE = {"statistics": 25.0}
+"""Extra multiple of ``clip-ceiling`` for batch-norm statistics: a running variance
+of 1 can reach 50 in one honest round on unnormalised inputs (measured first-round
+moves on digits: learned parameters 0.14-0.32 of their norm, statistics 0.8)."""
+
+
+def next_scale(accepted: Sequence[float], previous: float | None, growth: float) -> float:
+    """Return the next round's clip scale from the distances a round accepted.
+
+    The lower median of ``accepted`` (after clipping, so an update sent beyond the
+    bound counts at the bound), kept within ``[previous / growth, previous *
+    growth]`` when there is a previous scale: a majority of hostile nodes can move
+    the bound by at most ``growth`` per round, and a minority only picks which
+    honest distance is the median.
+
+    Raises
+    ------
+    ValueError
+        If ``accepted`` is empty or ``growth`` is not above 1.
+    """
+    if not growth > 1:
+        raise ValueError(f"growth {growth!r} must be above 1")
+    median = lower_median(accepted)
+    if previous is None:
+        return median
+    return min(max(median, previous / growth), previous * growth)
+
+
+POOLED = "all"
+"""Suffix of the scale key that pools every slice in whole-model units (``parameters@all``)."""
+
+
+def scale_key(kind: str, covered: int, size: int) -> str:
+    """Return the key of the scale an update covering ``covered`` of ``size`` elements uses.
+
+    A whole-model update uses the kind itself (``parameters``); a sub-model slice
+    covering fewer elements uses ``parameters@<covered>``: slices of one width are
+    measured against each other, not against wider or narrower ones (a narrow
+    slice moves the model less than the whole model's update, so one shared scale
+    would clip the wide slices of a mixed cohort).
+    """
+    return kind if covered >= size else f"{kind}@{covered}"
+
+
+def parse_scale_key(key: str) -> tuple[str, int | None]:
+    """Split a scale key into its kind and covered size (``None``: whole, or pooled).
+
+    Raises
+    ------
+    ValueError
+        If the key is not ``kind``, ``kind@all`` or ``kind@<positive integer>``.
+    """
+    kind, sep, rest = key.partition("@")
+    if not sep or rest == POOLED:
+        return kind, None
+    if not rest.isdigit() or int(rest) <= 0:
+        raise ValueError(f"scale key {key!r}: expected kind, kind@{POOLED} or kind@<size>")
+    return kind, int(rest)
+
+
+def covered_sizes(checked: Checked) -> dict[str, int]:
+    """Per kind, how many of the reference's floating elements the update covers."""
+    covered: dict[str, int] = {}
+    for key, (value, _) in checked.items():
+        if is_floating(value):
+            kind = entry_kind(key)
+            covered[kind] = covered.get(kind, 0) + int(value.size)
+    return covered
+
+
+class ScaleBook:
+    """One round's bounds and accepted distances, per kind of entry and slice class.
+
+    Parameters
+    ----------
+    reference : Mapping[str, np.ndarray]
+        The current global weights (their floating sizes per kind, their norms for
+        the ceiling).
+    clip_factor : float
+        Multiple of the scale an update may move the model (``0``: no bound).
+    previous : Mapping[str, float] | None
+        The scale per key from the last committed round (ignored unless every one
+        is finite and positive).
+    max_distance : float | None
+        An absolute bound instead (``norm-clip``).
+    growth : float
+        Largest factor the scale may move between two rounds (``> 1``).
+    ceiling : float
+        Multiple of the reference's own L2 norm (per kind) no update may exceed
+        (``0``: no ceiling).
+    """
+
+    def __init__(
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        clip_factor: float,
+        previous: Mapping[str, float] | None,
+        max_distance: float | None,
+        growth: float,
+        ceiling: float,
+    ) -> None:
+        self.clip_factor = float(clip_factor)
+        self.max_distance = max_distance
+        self.growth = float(growth)
+        self.previous: dict[str, float] = {}
+        if previous and all(math.isfinite(d) and d > 0 for d in previous.values()):
+            self.previous = {kind: float(d) for kind, d in previous.items()}
+        self.ceilings: dict[str, float] = {}
+        if self.clip_factor > 0 and ceiling > 0:
+            for kind, norm in reference_norms(reference).items():
+                if norm > 0:
+                    self.ceilings[kind] = float(ceiling) * norm * CEILING_SCALE.get(kind, 1.0)
+        self.sizes: dict[str, int] = {}
+        """Per kind, the reference's floating elements (a whole-model update covers all)."""
+        for key, value in reference.items():
+            if is_floating(value):
+                kind = entry_kind(key)
+                self.sizes[kind] = self.sizes.get(kind, 0) + int(value.size)
+        self.accepted: dict[str, list[float]] = {}
+        """Per scale key (:func:`scale_key`), the distances this round accepted."""
+        self.whole: dict[str, list[float]] = {}
+        """Per kind, every accepted distance in whole-model units (:meth:`bound`)."""
+        self.sliced: set[str] = set()
+        """Kinds of which a slice (an update covering part of the model) was accepted."""
+
+    @property
+    def bounded(self) -> bool:
+        """Whether updates are bounded at all (a clip factor or an absolute bound)."""
+        return self.max_distance is not None or self.clip_factor > 0
+
+    def capped(self, kind: str, bound: float) -> float:
+        """Return ``bound`` lowered to the ceiling of ``kind`` (if it has one)."""
+        ceiling = self.ceilings.get(kind)
+        return bound if ceiling is None else min(bound, ceiling)
+
+    def bound(self, kind: str, covered: int) -> float | None:
+        """Return the streaming bound of an update's ``kind`` (``None``: unknown, buffer it).
+
+        The scale of the update's own slice class (:func:`scale_key`) when the last
+        round had one; else the pooled whole-model scale (``kind@all``, or the
+        whole-model class's) converted to the slice's size, ``sqrt(covered / size)``.
+        """
+        if self.max_distance is not None:
+            return self.max_distance
+        if self.clip_factor <= 0 or not self.previous:
+            return None
+        size = self.sizes.get(kind, 0)
+        key = scale_key(kind, covered, size)
+        if key in self.previous:
+            return self.capped(kind, self.clip_factor * self.previous[key])
+        pooled = self.previous.get(f"{kind}@{POOLED}", self.previous.get(kind))
+        if pooled is None or size <= 0:
+            return None
+        return self.capped(kind, self.clip_factor * pooled * math.sqrt(covered / size))
+
+    def previous_scale(self, kind: str, key: str) -> float | None:
+        """Return the last round's scale of ``key``, else the pooled one converted to it."""
+        if key in self.previous:
+            return self.previous[key]
+        _, covered = parse_scale_key(key)
+        pooled = self.previous.get(f"{kind}@{POOLED}", self.previous.get(kind))
+        size = self.sizes.get(kind, 0)
+        if pooled is None or covered is None or size <= 0:
+            return pooled
+        return pooled * math.sqrt(covered / size)
+
+    def accept(
+        self,
+        position: int,
+        distances: Mapping[str, float],
+        bounds: Mapping[str, float],
+        covered: Mapping[str, int],
+    ) -> tuple[dict[str, float], list[Clip]]:
+        """Record what is accepted of each kind (per slice class).
+
+        Returns
+        -------
+        tuple of dict and list
+            The clip factor of each kind clipped, and a :class:`Clip` for each.
+        """
+        factors: dict[str, float] = {}
+        clips: list[Clip] = []
+        for kind, distance in distances.items():
+            bound = bounds.get(kind, 0.0)
+            if bound > 0 and distance > bound:
+                factors[kind] = bound / distance
+                clips.append(Clip(position, kind, distance, bound))
+                distance = bound
+            if distance > 0:
+                size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
+                self.accepted.setdefault(scale_key(kind, n, size), []).append(distance)
+                if n > 0:  # every update, in whole-model units: the pooled scale
+                    self.whole.setdefault(kind, []).append(distance * math.sqrt(size / n))
+                if 0 < n < size:
+                    self.sliced.add(kind)
+        return factors, clips
+
+    def round_bounds(
+        self, updates: Sequence[tuple[Mapping[str, float], Mapping[str, int]]]
+    ) -> list[dict[str, float]]:
+        """Return the bounds of a round's buffered updates from this round's own scales.
+
+        Per kind, an update of a slice class (:func:`scale_key`) that at least two
+        buffered updates share is bounded by that class's lower median distance; an
+        update alone in its class by the lower median of the *other* updates' distances
+        in whole-model units, converted to its size (so its bound never comes from
+        itself); an update alone in the round by its own distance (and the ceiling).
+
+        Parameters
+        ----------
+        updates : Sequence[tuple[Mapping[str, float], Mapping[str, int]]]
+            Each update's distances and covered sizes per kind, in arrival order.
+
+        Returns
+        -------
+        list[dict[str, float]]
+            Each update's bound per kind (none for a kind that did not move).
+        """
+        members: dict[str, list[float]] = {}
+        whole: dict[str, list[tuple[int, float]]] = {}
+        for i, (distances, covered) in enumerate(updates):
+            for kind, distance in distances.items():
+                size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
+                if distance > 0 and n > 0:
+                    members.setdefault(scale_key(kind, n, size), []).append(distance)
+                    whole.setdefault(kind, []).append((i, distance * math.sqrt(size / n)))
+        out: list[dict[str, float]] = []
+        for i, (distances, covered) in enumerate(updates):
+            bounds: dict[str, float] = {}
+            for kind in distances:
+                size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
+                own = members.get(scale_key(kind, n, size), [])
+                others = [x for j, x in whole.get(kind, []) if j != i]
+                if len(own) >= 2:
+                    scale = lower_median(own)
+                elif others and n > 0:
+                    scale = lower_median(others) * math.sqrt(n / size)
+                elif own:
+                    scale = own[0]
+                else:
+                    continue  # nothing moved: no bound needed
+                bounds[kind] = self.capped(kind, self.clip_factor * scale)
+            out.append(bounds)
+        return out
+
+    def medians(self) -> dict[str, float]:
+        """Return the next round's scale per key.
+
+        :func:`next_scale` of the distances this round accepted (what was folded,
+        after clipping) and the last round's scale; a class nobody moved keeps its
+        scale.
+        """
+        medians: dict[str, float] = {}
+        for key, accepted in sorted(self.accepted.items()):
+            kind, size = parse_scale_key(key)
+            if size is not None and len(accepted) < 2:
+                continue  # a slice alone in its class: never its own scale
+            if size is None and kind in self.sliced and len(accepted) < 2:
+                continue  # a whole model alone among slices: the same
+            medians[key] = next_scale(accepted, self.previous_scale(kind, key), self.growth)
+        for kind in sorted(self.sliced):
+            key = f"{kind}@{POOLED}"
+            anchor = self.previous_scale(kind, key)
+            medians[key] = next_scale(self.whole[kind], anchor, self.growth)
+        for key, scale in self.previous.items():  # a class nobody moved keeps its scale
+            medians.setdefault(key, scale)
+        return medians
