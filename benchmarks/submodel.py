@@ -213,7 +213,7 @@ def slice_axes(variant: str) -> tuple[bool, bool]:
 def extreme_slices(variant: str) -> tuple[str, str]:
     """Return the (smallest, full) slice names ``variant`` allows on the global model."""
     from models.slicing import family_layout, full_spec
-    from models.spec import slice_name
+    from models.spec import ModelRef
     from strategies.submodel.options import DEFAULT_WIDTHS, candidate_specs
 
     width, depth = slice_axes(variant)
@@ -221,7 +221,7 @@ def extreme_slices(variant: str) -> tuple[str, str]:
     specs = candidate_specs(
         full, family_layout(GLOBAL_MODEL).min_depth, DEFAULT_WIDTHS, width=width, depth=depth
     )
-    return slice_name(GLOBAL_MODEL, specs[-1]), slice_name(GLOBAL_MODEL, specs[0])
+    return ModelRef(GLOBAL_MODEL, specs[-1]).name, ModelRef(GLOBAL_MODEL, specs[0]).name
 
 
 def cell_nodes(cell: Cell, nodes: int) -> int:

@@ -286,7 +286,7 @@ def handshake(msg: Message, context: Context) -> Message:
     """Report device profile, data and the chosen architecture."""
     from client_app.selection import Budget, Workload, candidate_costs, choose_architecture
     from models import model_entry
-    from models.spec import split_name
+    from models.spec import ModelRef
     from strategies import get_scheme
 
     run, client = resolve(context.run_config)
@@ -315,18 +315,20 @@ def handshake(msg: Message, context: Context) -> Message:
         num_classes=data.num_classes,
     )
     if node.arch is not None:
-        entry = model_entry(split_name(node.arch)[0])
-        arch, fits, reason = node.arch, True, "forced by node-config 'arch'"
+        ref = ModelRef.parse(node.arch)  # a name a person typed
+        entry = model_entry(ref.model)
+        fits, reason = True, "forced by node-config 'arch'"
         size_rank, family = entry.size_rank, entry.family
         est_mem, est_sec = 0, 0.0
     else:
+        refs = {ref.name: ref for ref in algorithm.candidate_archs(family)}
         candidates = candidate_costs(
             family,
             data.input_shape,
             data.num_classes,
             norm=run.scheme.norm,
             flat_input=run.scheme.flat_input,
-            names=algorithm.candidate_archs(family),
+            names=list(refs.values()),
         )
         choice = choose_architecture(
             profile,
@@ -337,16 +339,16 @@ def handshake(msg: Message, context: Context) -> Message:
                 memory_fraction=run.training.memory_fraction,
             ),
         )
-        arch, fits, reason = choice.name, choice.fits, choice.reason
-        size_rank = next(c.size_rank for c in candidates if c.name == arch)
-        model, spec = split_name(arch)
-        family = model_entry(model).family  # "mixed" is a set of models, not their family
-        if spec is None:
-            size_rank = model_entry(model).size_rank  # the registry's, as the server checks
+        ref, fits, reason = refs[choice.name], choice.fits, choice.reason
+        size_rank = next(c.size_rank for c in candidates if c.name == ref.name)
+        family = model_entry(ref.model).family  # "mixed" is a set of models, not their family
+        if ref.spec is None:
+            size_rank = model_entry(ref.model).size_rank  # the registry's, as the server checks
         est_mem, est_sec = choice.estimated_memory_bytes, choice.estimated_round_seconds
-    log.info("node %s: profile %s -> %s (%s)", context.node_id, profile.name, arch, reason)
+    log.info("node %s: profile %s -> %s (%s)", context.node_id, profile.name, ref, reason)
     record: dict[str, Any] = {
-        "arch": arch,
+        **ref.to_config(),
+        "arch": ref.name,
         "family": family,
         "size-rank": size_rank,
         "arch-fits": fits,
@@ -413,7 +415,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
     num_classes, input_shape = _task_shape(config, data)
     rnd = RoundInput(
         server_round=server_round,
-        arch=algorithm.arch_for(config),
+        ref=algorithm.arch_for(config),
         num_classes=num_classes,
         input_shape=input_shape,
         content=content,
@@ -423,7 +425,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
     device = select_device(profile.accelerator)
 
     torch.manual_seed(run.seed + 1000 * (data.data_key + 1))
-    model = algorithm.build_model(rnd.arch, input_shape=input_shape, num_classes=num_classes)
+    model = algorithm.build_model(rnd.ref, input_shape=input_shape, num_classes=num_classes)
     algorithm.load_weights(model, rnd, state)
     model.to(device)
     algorithm.begin_round(model, rnd, state)

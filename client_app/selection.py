@@ -16,6 +16,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from client_app.device import DeviceProfile
 from client_app.estimates import (
@@ -30,6 +31,9 @@ from client_app.estimates import (
     estimate_training_memory,
 )
 from tessera.config import FlatInput
+
+if TYPE_CHECKING:
+    from models.spec import ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +270,7 @@ def candidate_costs(
     *,
     norm: str = "batch",
     flat_input: FlatInput = "signal",
-    names: Sequence[str] | None = None,
+    names: Sequence[str | ModelRef] | None = None,
 ) -> list[CandidateCost]:
     """Build every candidate model and measure its costs.
 
@@ -284,10 +288,11 @@ def candidate_costs(
         activation count slightly).
     flat_input : {"signal", "square"}
         How conv models read flat ``(D,)`` samples (run-config ``flat-input``).
-    names : Sequence of str, optional
-        The candidates; every model of ``family`` when omitted. Registered models
-        of one family keep the registry's size rank; when any candidate is a slice
-        (``"<model>@<tag>"``) or the candidates come from more than one family
+    names : Sequence of ModelRef or str, optional
+        The candidates (a printed name is read with :meth:`ModelRef.parse`); every
+        model of ``family`` when omitted. Registered models of one family keep the
+        registry's size rank; when any candidate is a slice or the candidates come
+        from more than one family
         (``"mixed"``: size ranks only order models within a family), ranks are
         derived from the measured cost instead (parameters, then MACs), so no
         candidate declares its own.
@@ -312,20 +317,23 @@ def candidate_costs(
         list_models,
         model_entry,
     )
-    from models.spec import SLICE_SEPARATOR, split_name
+    from models.spec import ModelRef
 
     shape = tuple(int(d) for d in input_shape)
-    chosen = list(list_models(family) if names is None else names)
-    families = {model_entry(split_name(name)[0]).family for name in chosen}
-    derived = len(families) > 1 or any(SLICE_SEPARATOR in name for name in chosen)
+    chosen = [
+        n if isinstance(n, ModelRef) else ModelRef.parse(n)
+        for n in (list_models(family) if names is None else names)
+    ]
+    families = {model_entry(ref.model).family for ref in chosen}
+    derived = len(families) > 1 or any(ref.spec is not None for ref in chosen)
     measured = []
-    for name in chosen:
+    for ref in chosen:
         model = get_model(
-            name, input_shape=shape, num_classes=num_classes, norm=norm, flat_input=flat_input
+            ref, input_shape=shape, num_classes=num_classes, norm=norm, flat_input=flat_input
         )
         measured.append(
             (
-                name,
+                ref.name,
                 count_parameters(model),
                 count_macs(model, shape),
                 count_activations(model, shape),

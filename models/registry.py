@@ -35,7 +35,7 @@ from models.inputs import (
     validate_num_classes,
 )
 from models.norm import get_norm
-from models.spec import split_name
+from models.spec import ModelRef
 
 __all__ = [
     "ModelEntry",
@@ -299,7 +299,7 @@ class ModelRegistry:
 
     def build(
         self,
-        name: str,
+        name: str | ModelRef,
         *,
         input_shape: Sequence[int],
         num_classes: int,
@@ -313,7 +313,8 @@ class ModelRegistry:
         inputs are validated, then the entry's config (with ``block_step`` set, then
         sliced, when asked) builds the model.
         """
-        model, spec = split_name(name)
+        ref = name if isinstance(name, ModelRef) else ModelRef.parse(name)
+        model, spec = ref.model, ref.spec
         entry = self.entry(model)
         shape = validate_input_shape(input_shape)
         classes = validate_num_classes(num_classes)
@@ -331,7 +332,7 @@ class ModelRegistry:
             sliced = getattr(config, "sliced", None)
             if sliced is None:
                 raise ValueError(
-                    f"model {model!r} has no sections, so it cannot be sliced as {name!r}; "
+                    f"model {model!r} has no sections, so it cannot be sliced as {ref.name!r}; "
                     "slice a preresnet or mobilenetv2 model"
                 )
             config = sliced(spec.width, spec.depths)
@@ -366,7 +367,7 @@ def register_family(family: str, variants: Sequence[Variant]) -> None:
 
 
 def get_model(
-    name: str,
+    name: str | ModelRef,
     *,
     input_shape: Sequence[int],
     num_classes: int,
@@ -378,9 +379,10 @@ def get_model(
 
     Parameters
     ----------
-    name : str
-        Model name, one of :func:`list_models`, or a slice ``"<model>@<tag>"`` of a
-        sectioned one (:func:`models.spec.slice_name`).
+    name : str or ModelRef
+        The model: a :class:`~models.spec.ModelRef` (a registered model, or a slice
+        of a sectioned one), or its printed name, one of :func:`list_models` or
+        ``"<model>@<tag>"`` (:attr:`models.spec.ModelRef.name`).
     input_shape : Sequence[int]
         Shape of one sample without the batch dimension: ``(C, H, W)`` for images,
         ``(C, L)`` for signals or ``(L,)`` for flat vectors.

@@ -112,30 +112,129 @@ class SubModelSpec:
 
 
 SLICE_SEPARATOR = "@"
-"""Separates a registered model's name from a sub-model tag in an architecture name."""
+"""Separates a registered model's name from a sub-model tag in a printed name."""
+
+MODEL_KEY = "model"
+"""Message key of a :class:`ModelRef`'s registered model."""
+SLICE_WIDTH_KEY = "slice-width"
+"""Message key of a slice's width ratio (absent for a whole model)."""
+SLICE_DEPTHS_KEY = "slice-depths"
+"""Message key of a slice's blocks per section (absent for a whole model)."""
 
 
-def slice_name(model: str, spec: SubModelSpec) -> str:
-    """Return the architecture name of the slice ``spec`` of registered model ``model``.
+@dataclass(frozen=True)
+class ModelRef:
+    """A model the registry builds: a registered model, or a slice of a sectioned one.
+
+    Code, messages and results carry the structure; :attr:`name` prints it for
+    people (logs, tables, result keys), and :meth:`parse` reads a name a person
+    typed (node-config ``arch``, the command line) back.
+
+    Attributes
+    ----------
+    model : str
+        The registered model (the global model of a slice).
+    spec : SubModelSpec or None
+        The slice of ``model``; ``None`` for the whole registered model.
 
     Examples
     --------
-    >>> slice_name("preresnet26_025", SubModelSpec(0.5, (3, 3, 2, 2)))
+    >>> ModelRef("preresnet26_025", SubModelSpec(0.5, (3, 3, 2, 2))).name
     'preresnet26_025@w0.5-d3.3.2.2'
+    >>> ModelRef.parse("cnn-3")
+    ModelRef(model='cnn-3', spec=None)
     """
-    return f"{model}{SLICE_SEPARATOR}{spec.tag}"
 
+    model: str
+    spec: SubModelSpec | None = None
 
-def split_name(name: str) -> tuple[str, SubModelSpec | None]:
-    """Split an architecture name into the registered model and the slice, if any.
+    def __post_init__(self) -> None:
+        """Validate the model name: non-empty, without the slice separator."""
+        if not isinstance(self.model, str) or not self.model or SLICE_SEPARATOR in self.model:
+            raise ValueError(
+                f"ModelRef.model must be a registered model's name, got {self.model!r}; "
+                f"give the slice as a SubModelSpec, not in the name"
+            )
 
-    Raises
-    ------
-    ValueError
-        If the part after ``@`` is not a valid :attr:`SubModelSpec.tag`.
-    """
-    model, sep, tag = name.partition(SLICE_SEPARATOR)
-    return model, (SubModelSpec.from_tag(tag) if sep else None)
+    @property
+    def name(self) -> str:
+        """The printable name: ``model``, or ``model@w<width>-d<depths>`` for a slice."""
+        return self.model if self.spec is None else f"{self.model}{SLICE_SEPARATOR}{self.spec.tag}"
+
+    def __str__(self) -> str:
+        """Return :attr:`name`."""
+        return self.name
+
+    @classmethod
+    def parse(cls, name: str) -> ModelRef:
+        """Read a printed :attr:`name` back (what a person typed).
+
+        Raises
+        ------
+        ValueError
+            If the part after ``@`` is not a valid :attr:`SubModelSpec.tag`.
+        """
+        model, sep, tag = str(name).partition(SLICE_SEPARATOR)
+        return cls(model, SubModelSpec.from_tag(tag) if sep else None)
+
+    def to_config(self) -> dict[str, str | float | list[int]]:
+        """Return the reference as message values (a Flower ``ConfigRecord``'s types).
+
+        ``model`` always; ``slice-width`` and ``slice-depths`` for a slice.
+        """
+        out: dict[str, str | float | list[int]] = {MODEL_KEY: self.model}
+        if self.spec is not None:
+            out[SLICE_WIDTH_KEY] = self.spec.width
+            out[SLICE_DEPTHS_KEY] = list(self.spec.depths)
+        return out
+
+    @classmethod
+    def from_config(cls, values: Mapping[str, object], *, where: str) -> ModelRef:
+        """Read :meth:`to_config`'s values from an untrusted message.
+
+        Parameters
+        ----------
+        values : Mapping[str, object]
+            The record holding the keys.
+        where : str
+            What the record is, for the error message (``"handshake profile"``).
+
+        Raises
+        ------
+        ValueError
+            Naming the key and the value: ``model`` missing or not a name, only one of
+            the slice keys, or a width or depths that :class:`SubModelSpec` refuses.
+        """
+        model = values.get(MODEL_KEY)
+        if not isinstance(model, str):
+            raise ValueError(f"{where} has {MODEL_KEY}={model!r}; it must name a model")
+        width, depths = values.get(SLICE_WIDTH_KEY), values.get(SLICE_DEPTHS_KEY)
+        if width is None and depths is None:
+            return cls(model)
+        if width is None or depths is None:
+            raise ValueError(
+                f"{where} has {SLICE_WIDTH_KEY}={width!r} and {SLICE_DEPTHS_KEY}={depths!r}; "
+                "a slice needs both, a whole model neither"
+            )
+        if isinstance(width, bool) or not isinstance(width, (int, float)):
+            raise ValueError(f"{where} has {SLICE_WIDTH_KEY}={width!r}; it must be a number")
+        if not isinstance(depths, (list, tuple)):
+            raise ValueError(f"{where} has {SLICE_DEPTHS_KEY}={depths!r}; it must be a list")
+        blocks = [d for d in depths if isinstance(d, int) and not isinstance(d, bool)]
+        if len(blocks) != len(depths):
+            raise ValueError(
+                f"{where} has {SLICE_DEPTHS_KEY}={list(depths)!r}; it must list whole block counts"
+            )
+        return cls(model, SubModelSpec(float(width), tuple(blocks)))
+
+    def to_record(self) -> dict[str, object]:
+        """Return the reference for a results file: model, and the slice or ``None``."""
+        spec = (
+            None
+            if self.spec is None
+            else {"width": self.spec.width, "depths": list(self.spec.depths)}
+        )
+        return {"model": self.model, "slice": spec}
 
 
 def _as_keys(value: Iterable[str], name: str) -> frozenset[str]:

@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
+from models.spec import ModelRef
 from strategies.core.client import ClientAlgorithm
 from strategies.core.context import ServerEnv
 from strategies.core.exchange import wait_for_nodes
@@ -200,9 +201,9 @@ class FlowerFedAvgRunner:
 class FlowerFedAvgClient(ClientAlgorithm):
     """Trains ``fedavg-arch``; Flower's messages name no architecture."""
 
-    def arch_for(self, config: ConfigRecord) -> str:
-        """Return the architecture named by ``fedavg-arch``."""
-        return str(self.options.arch)
+    def arch_for(self, config: ConfigRecord) -> ModelRef:
+        """Return the model named by ``fedavg-arch``."""
+        return ModelRef(str(self.options.arch))
 
 
 SCHEME = register_scheme(

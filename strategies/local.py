@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.base import TesseraModel
+from models.spec import ModelRef
 from strategies.core.client import ClientAlgorithm
 from strategies.core.registry import Scheme, SchemeError, get_scheme, register_scheme
 from strategies.core.strategy import HeteroStrategy
@@ -72,7 +73,7 @@ class LocalStrategy(HeteroStrategy):
         if not isinstance(options, LocalOptions) or options.like is None:
             return super().known_archs()
         client = get_scheme(options.like).client(run=self.env.run, options=options.like_options)
-        return client.candidate_archs(self.env.family)
+        return [ref.name for ref in client.candidate_archs(self.env.family)]
 
 
 class LocalClient(ClientAlgorithm):
@@ -87,19 +88,19 @@ class LocalClient(ClientAlgorithm):
             None if like is None else get_scheme(like).client(run=run, options=options.like_options)
         )
 
-    def candidate_archs(self, family: str) -> list[str]:
+    def candidate_archs(self, family: str) -> list[ModelRef]:
         """Return the ``local-like`` scheme's candidates (e.g. its slices), else the family's."""
         if self.like is None:
             return super().candidate_archs(family)
         return self.like.candidate_archs(family)
 
     def build_model(
-        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+        self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int
     ) -> TesseraModel:
-        """Build ``arch`` as the ``local-like`` scheme does, else as the zoo does."""
+        """Build ``ref`` as the ``local-like`` scheme does, else as the zoo does."""
         if self.like is None:
-            return super().build_model(arch, input_shape=input_shape, num_classes=num_classes)
-        return self.like.build_model(arch, input_shape=input_shape, num_classes=num_classes)
+            return super().build_model(ref, input_shape=input_shape, num_classes=num_classes)
+        return self.like.build_model(ref, input_shape=input_shape, num_classes=num_classes)
 
 
 SCHEME = register_scheme(

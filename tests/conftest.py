@@ -283,6 +283,7 @@ def round_input(
     """A :class:`~strategies.core.client.RoundInput` for calling a client's hooks directly."""
     from flwr.app import ConfigRecord
 
+    from models.spec import ModelRef
     from strategies.core.client import RoundInput
     from tessera import wire
 
@@ -290,7 +291,7 @@ def round_input(
     classes = num_classes if num_classes is not None else int(config.get("num-classes", 10))
     return RoundInput(
         server_round=int(config.get("server-round", 1)),
-        arch=arch,
+        ref=ModelRef.parse(arch),
         num_classes=classes,
         input_shape=input_shape,
         content=content,

@@ -24,6 +24,7 @@ from client_app.app import (
 )
 from client_app.device import DeviceProfileError
 from models import get_model, model_entry
+from models.spec import ModelRef
 from tessera import wire
 from tessera.config import ConfigError, NodeConfig, RunConfig
 from tessera.data.cache_memory import clear_memory_cache
@@ -57,6 +58,7 @@ def train_message(
         {
             "server-round": server_round,
             "scheme": scheme,
+            **ModelRef.parse(arch).to_config(),
             "arch": arch,
             "num-classes": num_classes,
             "input-shape": input_shape or DIGITS_SHAPE,
@@ -336,7 +338,7 @@ def test_train_without_arch_raises(run_config: RunConfigFactory) -> None:
     msg = instruction(content, dst_node_id=NODE, message_type="train")
 
     # Execute / Assert
-    with pytest.raises(ConfigError, match="names no 'arch'"):
+    with pytest.raises(ConfigError, match="names no 'model' or 'arch'"):
         train(msg, context)
 
 
@@ -372,7 +374,7 @@ def test_evaluate_reports_local_test_metrics(run_config: RunConfigFactory) -> No
     context = context_for(run_config, {"strategy": "fedavg"})
     content = RecordDict(
         {
-            wire.CONFIG: ConfigRecord({"arch": "cnn-1", "server-round": 1}),
+            wire.CONFIG: ConfigRecord({"model": "cnn-1", "arch": "cnn-1", "server-round": 1}),
             wire.ARRAYS: wire.state_to_record(model.state_dict()),
         }
     )

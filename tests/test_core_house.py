@@ -15,6 +15,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from client_app.app import EMPTY_TEST_SPLIT, data_key, evaluate, handshake
 from models import get_model
+from models.spec import ModelRef, SubModelSpec
 from server_app.app import summarise
 from strategies.core.aggregation import AggregationError
 from strategies.core.context import RoundContext
@@ -24,6 +25,7 @@ from strategies.core.validation import ClientReply, Rejection
 from tessera import wire
 from tessera.config import RunConfig
 from tessera.data import ArrayDataset
+from tessera.state_checks import StateFileError
 from tests.conftest import TINY_DIGITS, instruction, make_context
 
 RunConfigFactory = Callable[..., dict[str, Any]]
@@ -32,7 +34,7 @@ RunConfigFactory = Callable[..., dict[str, Any]]
 def node(node_id: int, partition: int, key: int = -1) -> NodeInfo:
     return NodeInfo(
         node_id=node_id,
-        arch="cnn-1",
+        ref=ModelRef("cnn-1"),
         family="cnn",
         size_rank=0,
         arch_fits=True,
@@ -265,7 +267,7 @@ def test_evaluate_without_a_test_split_replies_with_an_error_naming_the_fix(
     model = get_model("cnn-1", input_shape=(1, 8, 8), num_classes=10)
     content = RecordDict(
         {
-            wire.CONFIG: ConfigRecord({"arch": "cnn-1", "server-round": 1}),
+            wire.CONFIG: ConfigRecord({"model": "cnn-1", "arch": "cnn-1", "server-round": 1}),
             wire.ARRAYS: wire.state_to_record(model.state_dict()),
         }
     )
@@ -461,3 +463,92 @@ def test_every_source_path_the_readme_and_docs_name_exists() -> None:
         if not (ROOT / path).exists()
     }
     assert not missing, f"pages name files that do not exist: {sorted(missing)}"
+
+
+# ------------------------------------------------------------- slices as structure
+def test_a_node_entry_keeps_its_slice_as_structure_and_older_entries_read_by_name() -> None:
+    # Prepare: a node training a slice, as the node table writes it
+    spec = SubModelSpec(0.5, (2, 2, 2, 2))
+    info = NodeInfo(
+        node_id=4,
+        ref=ModelRef("preresnet18_050", spec),
+        family="preresnet",
+        size_rank=0,
+        arch_fits=True,
+        num_train=10,
+        num_test=2,
+        partition_id=0,
+        label_counts=(10,),
+        profile={},
+    )
+    entry = info.to_dict()
+    older = {k: v for k, v in entry.items() if k not in ("model", "slice")}
+    forged = {**entry, "slice": {"width": 0.25, "depths": [2, 2, 2, 2]}}
+    broken = {**entry, "slice": {"width": 2.0, "depths": [2, 2, 2, 2]}}
+
+    # Execute
+    back = NodeInfo.from_dict(entry, where="nodes[0]")
+
+    # Assert: the structure is written and read; a name-only entry still reads; a
+    # structure that contradicts the name, or is no slice, is refused naming the field
+    assert entry["model"] == "preresnet18_050"
+    assert entry["slice"] == {"width": 0.5, "depths": [2, 2, 2, 2]}
+    assert entry["arch"] == "preresnet18_050@w0.5-d2.2.2.2"
+    assert back == info and back.ref.spec == spec
+    assert NodeInfo.from_dict(older, where="nodes[0]") == info
+    with pytest.raises(StateFileError, match=r"nodes\[0\]\.arch.*w0.25"):
+        NodeInfo.from_dict(forged, where="nodes[0]")
+    with pytest.raises(StateFileError, match=r"nodes\[0\]\.model.*width must be"):
+        NodeInfo.from_dict(broken, where="nodes[0]")
+
+
+def test_a_handshake_whose_name_and_structure_disagree_is_rejected() -> None:
+    from unittest.mock import Mock
+
+    from flwr.app import Message
+
+    from strategies.core.nodes import parse_handshake
+
+    # Prepare: a profile naming one slice and describing another
+    record = {
+        "model": "preresnet18_050",
+        "slice-width": 0.25,
+        "slice-depths": [2, 2, 2, 2],
+        "arch": "preresnet18_050@w0.5-d2.2.2.2",
+        "family": "preresnet",
+        "size-rank": 0,
+        "arch-fits": True,
+        "num-train": 10,
+        "num-test": 2,
+        "partition-id": 0,
+        "label-counts": [1] * 10,
+    }
+    reply = Mock(spec=Message)
+    reply.metadata.src_node_id = 8
+    reply.has_error.return_value = False
+    reply.content = RecordDict({wire.PROFILE: ConfigRecord(record)})
+
+    # Execute
+    result = parse_handshake(reply, ["preresnet18_050@w0.5-d2.2.2.2"])
+
+    # Assert
+    assert isinstance(result, Rejection)
+    assert "its model and slice give 'preresnet18_050@w0.25-d2.2.2.2'" in result.reason
+
+
+def test_a_train_message_whose_name_and_structure_disagree_is_refused() -> None:
+    from strategies import get_scheme
+    from tessera.config import ConfigError
+    from tests.conftest import load_default_run_config
+
+    # Prepare
+    config = load_default_run_config()
+    scheme = get_scheme("fedavg")
+    client = scheme.client(run=RunConfig.from_flower(config), options=scheme.parse_options(config))
+    good = ConfigRecord({"model": "cnn-1", "arch": "cnn-1"})
+    bad = ConfigRecord({"model": "cnn-2", "arch": "cnn-1"})
+
+    # Execute / Assert
+    assert client.arch_for(good) == ModelRef("cnn-1")
+    with pytest.raises(ConfigError, match="names arch 'cnn-1' but its model and slice give"):
+        client.arch_for(bad)

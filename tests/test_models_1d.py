@@ -26,7 +26,7 @@ from models import (
 from models.inputs import InputAdapter, validate_input_shape
 from models.layers import LAYERS_1D, LAYERS_2D, SpatialLayers, spatial_layers
 from models.norm import batch_norm, batch_norm_1d, norm_for_ndim, static_batch_norm_1d
-from models.spec import slice_name
+from models.spec import ModelRef
 from strategies.submodel import SubModelSpec, extract
 
 NUM_CLASSES = 7  # not a default anywhere, so a head built for the wrong size fails
@@ -403,7 +403,7 @@ def test_a_1d_slice_is_a_slice_of_the_1d_global_model(
 
 def test_a_named_1d_slice_with_block_steps_builds_like_build_submodel() -> None:
     spec = SubModelSpec(0.5, (2, 2, 2, 2))
-    name = slice_name("preresnet18_050", spec)
+    name = ModelRef("preresnet18_050", spec).name
 
     torch.manual_seed(3)
     named = get_model(name, input_shape=(40,), num_classes=NUM_CLASSES, block_step=True)

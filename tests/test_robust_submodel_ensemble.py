@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flwr.app import Message, RecordDict
 
+from models.spec import ModelRef
 from strategies.core.context import RoundContext
 from strategies.core.mean import MeanAggregator
 from strategies.core.nodes import NodeInfo
@@ -504,7 +505,7 @@ def node_info(arch: str) -> NodeInfo:
     entry = model_entry(arch)
     return NodeInfo(
         node_id=7,
-        arch=arch,
+        ref=ModelRef(arch),
         family=entry.family,
         size_rank=entry.size_rank,
         arch_fits=True,

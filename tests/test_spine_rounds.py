@@ -381,7 +381,13 @@ def test_personal_model_continues_after_a_restart_with_state_dir(
         values: dict[str, Any] = {"server-round": server_round, "federation": federation}
         if kind == "train":
             values.update(
-                {"scheme": "local", "arch": "cnn-2", "num-classes": 10, "input-shape": [1, 8, 8]}
+                {
+                    "scheme": "local",
+                    "model": "cnn-2",
+                    "arch": "cnn-2",
+                    "num-classes": 10,
+                    "input-shape": [1, 8, 8],
+                }
             )
         else:
             values["simulation"] = True

@@ -993,6 +993,7 @@ def round_message(server_round: int, *, scheme: str = "local") -> Any:
         {
             "server-round": server_round,
             "scheme": scheme,
+            "model": "cnn-1",
             "arch": "cnn-1",
             "num-classes": 10,
             "input-shape": [1, 8, 8],

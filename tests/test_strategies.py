@@ -570,6 +570,7 @@ def test_local_like_trains_the_named_schemes_slices_alone(
     slices = fedfa.client(
         run=RunConfig.from_flower(config), options=fedfa.parse_options(config)
     ).candidate_archs("preresnet")
+    slices = [ref.name for ref in slices]
     choices = fed.node_choices()
     assert len(choices) == 3 and set(choices.values()) <= set(slices), choices
     assert all("@" in arch for arch in choices.values())
@@ -729,6 +730,7 @@ def test_exchange_reports_nodes_without_a_reply() -> None:
 
 def handshake_reply(node_id: int, **profile: Any) -> Mock:
     record = {
+        "model": "cnn-2",
         "arch": "cnn-2",
         "family": "cnn",
         "size-rank": 1,
@@ -740,6 +742,8 @@ def handshake_reply(node_id: int, **profile: Any) -> Mock:
         "device-name": "cpu-small",
     }
     record.update(profile)
+    if "arch" in profile and "model" not in profile:  # a whole registered model
+        record["model"] = profile["arch"]
     reply = Mock(spec=Message)
     reply.metadata.src_node_id = node_id
     reply.has_error.return_value = False

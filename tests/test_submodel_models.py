@@ -309,14 +309,48 @@ def test_only_sectioned_global_configs_can_be_sliced() -> None:
 
 
 def test_a_spec_tag_round_trips_and_names_a_slice() -> None:
-    from models.spec import slice_name, split_name
+    from models.spec import ModelRef
 
     spec = SubModelSpec(0.125, (3, 2, 3, 2))
     assert spec.tag == "w0.125-d3.2.3.2"
     assert SubModelSpec.from_tag(spec.tag) == spec
-    assert slice_name("preresnet26_025", spec) == "preresnet26_025@w0.125-d3.2.3.2"
-    assert split_name("preresnet26_025@w0.125-d3.2.3.2") == ("preresnet26_025", spec)
-    assert split_name("cnn-3") == ("cnn-3", None)
+    assert ModelRef("preresnet26_025", spec).name == "preresnet26_025@w0.125-d3.2.3.2"
+    assert ModelRef.parse("preresnet26_025@w0.125-d3.2.3.2") == ModelRef("preresnet26_025", spec)
+    assert ModelRef.parse("cnn-3") == ModelRef("cnn-3")
+
+
+def test_a_model_ref_travels_as_message_values_and_refuses_malformed_ones() -> None:
+    from models.spec import ModelRef
+
+    # Prepare
+    sliced = ModelRef("preresnet26_025", SubModelSpec(0.5, (3, 2, 3, 2)))
+    whole = ModelRef("cnn-3")
+
+    # Execute
+    values = sliced.to_config()
+
+    # Assert: the structure round-trips, and a whole model carries no slice keys
+    assert values == {"model": "preresnet26_025", "slice-width": 0.5, "slice-depths": [3, 2, 3, 2]}
+    assert ModelRef.from_config(values, where="x") == sliced
+    assert whole.to_config() == {"model": "cnn-3"}
+    assert ModelRef.from_config(whole.to_config(), where="x") == whole
+    assert sliced.to_record() == {
+        "model": "preresnet26_025",
+        "slice": {"width": 0.5, "depths": [3, 2, 3, 2]},
+    }
+    bad: list[tuple[dict[str, object], str]] = [
+        ({}, "model=None"),
+        ({"model": 3}, "model=3"),
+        ({"model": "cnn-3", "slice-width": 0.5}, "needs both"),
+        ({"model": "m", "slice-width": True, "slice-depths": [1]}, "must be a number"),
+        ({"model": "m", "slice-width": 0.5, "slice-depths": "2.2"}, "must be a list"),
+        ({"model": "m", "slice-width": 0.5, "slice-depths": [2, 2.5]}, "whole block counts"),
+        ({"model": "m", "slice-width": 1.5, "slice-depths": [2]}, r"width must be .* \(0, 1\]"),
+        ({"model": "m@w0.5-d2", "slice-width": 0.5, "slice-depths": [2]}, "not in the name"),
+    ]
+    for values_, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ModelRef.from_config(values_, where="the handshake")
 
 
 @pytest.mark.parametrize("tag", ["", "w0.5", "d2.2", "w-d2", "w0.5-d", "w1.5-d2.2", "w0.5-d0.2"])

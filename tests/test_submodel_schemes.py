@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from models.spec import ModelRef, SubModelSpec
 from server_app.app import build_server
 from tessera import wire
 from tests.conftest import TINY_DIGITS, make_grid
@@ -60,6 +61,14 @@ def test_every_submodel_scheme_trains_slices_and_evaluates_them(
         assert not record.get("skipped"), record.get("skip_reason")
         assert record["submodel_accuracy"]
         assert 0.0 <= record["global_accuracy"] <= 1.0
+        # each reply's slice is recorded as structure, its printed name beside it
+        for client in record["clients"]:
+            assert client["model"] == "preresnet26_025"
+            piece = client["slice"]
+            spec = SubModelSpec(piece["width"], tuple(piece["depths"]))
+            assert ModelRef(client["model"], spec).name == client["arch"]
+    # the nodes' slices came as structure in the handshake
+    assert all(info.ref.spec is not None for info in server.nodes.values())
     assert server.rounds[-1]["global_accuracy"] > 0.25
 
 

@@ -257,6 +257,7 @@ def handshake(**changes: Any) -> Message:
     from unittest.mock import Mock
 
     record: dict[str, Any] = {
+        "model": "cnn-2",
         "arch": "cnn-2",
         "family": "cnn",
         "size-rank": 1,
@@ -267,6 +268,8 @@ def handshake(**changes: Any) -> Message:
         "label-counts": [10] * 10,
     }
     record.update(changes)
+    if "arch" in changes and "model" not in changes:  # a whole registered model
+        record["model"] = changes["arch"]
     reply = Mock(spec=Message)
     reply.metadata.src_node_id = NODE
     reply.has_error.return_value = False

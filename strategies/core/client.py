@@ -34,6 +34,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
 from models.base import TesseraModel
+from models.spec import MODEL_KEY, ModelRef
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.data import ArrayDataset
@@ -61,8 +62,8 @@ class RoundInput:
     ----------
     server_round : int
         The round number.
-    arch : str
-        The architecture to train.
+    ref : ModelRef
+        The model to train: a registered model or a slice of one.
     num_classes : int
         Classes of the federation's task.
     input_shape : tuple[int, ...]
@@ -74,11 +75,16 @@ class RoundInput:
     """
 
     server_round: int
-    arch: str
+    ref: ModelRef
     num_classes: int
     input_shape: tuple[int, ...]
     content: RecordDict
     config: ConfigRecord
+
+    @property
+    def arch(self) -> str:
+        """The model's printed name (:attr:`ModelRef.name`), as logs and node state keep it."""
+        return self.ref.name
 
 
 @dataclass(frozen=True)
@@ -133,11 +139,11 @@ class ClientAlgorithm:
         self.keeps_personal_model = False
 
     # ------------------------------------------------------------------ set-up
-    def candidate_archs(self, family: str) -> list[str]:
-        """Architectures a device may pick from in the handshake (default: the family's)."""
+    def candidate_archs(self, family: str) -> list[ModelRef]:
+        """Models a device may pick from in the handshake (default: the family's)."""
         from models import list_models
 
-        return list_models(family)
+        return [ModelRef(name) for name in list_models(family)]
 
     def prepare_data(
         self, train: ArrayDataset, test: ArrayDataset
@@ -161,19 +167,38 @@ class ClientAlgorithm:
         """
         return dict(profile)
 
-    def arch_for(self, config: ConfigRecord) -> str:
-        """Return the architecture to train this round (the server names it)."""
-        if "arch" not in config:
+    def arch_for(self, config: ConfigRecord) -> ModelRef:
+        """Return the model to train this round, as the server's message names it.
+
+        The message carries the structure (:meth:`ModelRef.to_config`) and the
+        printed name (``arch``); they must agree.
+
+        Raises
+        ------
+        ConfigError
+            If the message names no model, or a malformed or inconsistent one.
+        """
+        if MODEL_KEY not in config or "arch" not in config:
             raise ConfigError(
-                "the train message's config names no 'arch'; the server and this "
-                "client run different scheme code (check both use the same FAB)"
+                f"the message's config names no '{MODEL_KEY}' or 'arch'; the server and "
+                "this client run different scheme code (check both use the same FAB)"
             )
-        return str(config["arch"])
+        try:
+            ref = ModelRef.from_config(config, where="the message's config")
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        named = str(config["arch"])
+        if ref.name != named:
+            raise ConfigError(
+                f"the message's config names arch '{named}' but its model and "
+                f"slice give '{ref.name}'; the server and this client disagree"
+            )
+        return ref
 
     def build_model(
-        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+        self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int
     ) -> TesseraModel:
-        """Build the model this scheme trains for ``arch`` (default: the zoo's model).
+        """Build the model this scheme trains for ``ref`` (default: the zoo's model).
 
         A scheme that changes the model (e.g. a projection to a shared feature
         dimension) overrides this and the server strategy's ``build_model`` alike.
@@ -181,7 +206,7 @@ class ClientAlgorithm:
         from models import get_model
 
         return get_model(
-            arch,
+            ref,
             input_shape=input_shape,
             num_classes=num_classes,
             norm=self.run.scheme.norm,
@@ -325,7 +350,7 @@ class ClientWrapper(ClientAlgorithm):
         self.sends_weights = inner.sends_weights
         self.keeps_personal_model = inner.keeps_personal_model
 
-    def candidate_archs(self, family: str) -> list[str]:
+    def candidate_archs(self, family: str) -> list[ModelRef]:
         """Delegate to the inner client."""
         return self.inner.candidate_archs(family)
 
@@ -339,15 +364,15 @@ class ClientWrapper(ClientAlgorithm):
         """Delegate to the inner client."""
         return self.inner.handshake_profile(profile)
 
-    def arch_for(self, config: ConfigRecord) -> str:
+    def arch_for(self, config: ConfigRecord) -> ModelRef:
         """Delegate to the inner client."""
         return self.inner.arch_for(config)
 
     def build_model(
-        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+        self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int
     ) -> TesseraModel:
         """Delegate to the inner client."""
-        return self.inner.build_model(arch, input_shape=input_shape, num_classes=num_classes)
+        return self.inner.build_model(ref, input_shape=input_shape, num_classes=num_classes)
 
     def load_weights(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> str:
         """Delegate to the inner client."""

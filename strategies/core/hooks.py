@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
+from models.spec import ModelRef
 from strategies.core.aggregators import Aggregator
 from strategies.core.context import FEDERATION, RoundContext, ServerEnv
 from strategies.core.nodes import NodeInfo, NodeTable
@@ -196,11 +197,29 @@ class SchemeHooks:
         """Build the records sent to one node this round (the base: only the config)."""
         return RecordDict({wire.CONFIG: self.train_config(ctx, node_id, arch)})
 
+    def model_ref(self, arch: str) -> ModelRef:
+        """Return the structured reference behind architecture name ``arch``.
+
+        Default: the reference a node reported in its handshake under that name, else
+        the registered model ``arch``. A scheme that makes its own slices (the
+        sub-model schemes) returns those.
+
+        Raises
+        ------
+        ValueError
+            If ``arch`` is neither a node's model nor a registered model's name.
+        """
+        for info in self.nodes.values():
+            if info.arch == arch:
+                return info.ref
+        return ModelRef(arch)
+
     def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
-        """Build the ``config`` record: round, architecture and task shape."""
+        """Build the ``config`` record: round, model (structure and name), task shape."""
         return ConfigRecord(
             {
                 "server-round": ctx.server_round,
+                **self.model_ref(arch).to_config(),
                 "arch": arch,
                 "num-classes": self.env.num_classes,
                 "input-shape": list(self.env.input_shape),

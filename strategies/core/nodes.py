@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
@@ -31,6 +31,9 @@ from tessera.state_checks import (
     int_list,
 )
 
+if TYPE_CHECKING:
+    from models.spec import ModelRef
+
 log = logging.getLogger("flwr.tessera")
 
 __all__ = ["NodeInfo", "NodePolicy", "NodeTable", "handshake_problem", "parse_handshake"]
@@ -38,10 +41,14 @@ __all__ = ["NodeInfo", "NodePolicy", "NodeTable", "handshake_problem", "parse_ha
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """A node as it described itself in the handshake."""
+    """A node as it described itself in the handshake.
+
+    ``ref`` is the model it trains, structured (a registered model or a slice of
+    one); :attr:`arch` is its printed name, the key rounds and results use.
+    """
 
     node_id: int
-    arch: str
+    ref: ModelRef
     family: str
     size_rank: int
     arch_fits: bool
@@ -54,12 +61,18 @@ class NodeInfo:
     """Stable identity of the node's data (its partition, or a digest of its own file);
     orders nodes across restarts, where node ids change."""
 
+    @property
+    def arch(self) -> str:
+        """The model's printed name (:attr:`ModelRef.name`)."""
+        return self.ref.name
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe description for ``config.json`` and checkpoints."""
         return {
             "node": self.node_id,
             "partition_id": self.partition_id,
             "arch": self.arch,
+            **self.ref.to_record(),
             "family": self.family,
             "size_rank": self.size_rank,
             "arch_fits": self.arch_fits,
@@ -87,7 +100,7 @@ class NodeInfo:
             raise StateFileError(f"{where}.arch_fits", "is not a boolean")
         return cls(
             node_id=get_int(data, "node", where=where),
-            arch=get_str(data, "arch", where=where),
+            ref=_ref_of(data, where=where),
             family=get_str(data, "family", where=where),
             size_rank=get_int(data, "size_rank", where=where, minimum=any_int),
             arch_fits=bool(data["arch_fits"]),
@@ -98,6 +111,38 @@ class NodeInfo:
             profile=dict(get_mapping(data, "profile", where=where)),
             data_key=get_int(data, "data_key", where=where, minimum=any_int, default=-1),
         )
+
+
+def _ref_of(data: Mapping[str, Any], *, where: str) -> ModelRef:
+    """Read a node's model from a checkpoint's node entry (:meth:`NodeInfo.to_dict`).
+
+    Entries written before models were structured hold only the name ``arch``,
+    read back with :meth:`ModelRef.parse`.
+    """
+    from models.spec import MODEL_KEY, SLICE_DEPTHS_KEY, SLICE_WIDTH_KEY, ModelRef
+
+    name = get_str(data, "arch", where=where)
+    try:
+        if "model" not in data:
+            return ModelRef.parse(name)
+        piece = data.get("slice")
+        if piece is None:
+            ref = ModelRef(get_str(data, "model", where=where))
+        else:
+            piece = get_mapping(data, "slice", where=where)
+            ref = ModelRef.from_config(
+                {
+                    MODEL_KEY: data["model"],
+                    SLICE_WIDTH_KEY: piece.get("width"),
+                    SLICE_DEPTHS_KEY: piece.get("depths"),
+                },
+                where=f"{where}.slice",
+            )
+    except ValueError as err:
+        raise StateFileError(f"{where}.model", str(err)) from err
+    if ref.name != name:
+        raise StateFileError(f"{where}.arch", f"is '{name}' but model and slice give '{ref.name}'")
+    return ref
 
 
 def parse_handshake(
@@ -120,11 +165,19 @@ def parse_handshake(
         return Rejection(node_id, "handshake reply has no 'profile' record")
     rec = reply.content.config_records[wire.PROFILE]
     try:
-        arch = str(rec["arch"])
+        from models.spec import ModelRef
+
+        ref = ModelRef.from_config(rec, where="handshake profile")
+        named = str(rec["arch"])
+        if named != ref.name:
+            return Rejection(
+                node_id,
+                f"handshake names arch '{named}' but its model and slice give '{ref.name}'",
+            )
         counts = tuple(int(c) for c in rec["label-counts"])  # type: ignore[union-attr]
         info = NodeInfo(
             node_id=node_id,
-            arch=arch,
+            ref=ref,
             family=str(rec["family"]),
             size_rank=int(rec["size-rank"]),  # type: ignore[arg-type]
             arch_fits=bool(rec["arch-fits"]),
@@ -148,13 +201,12 @@ def parse_handshake(
 def handshake_problem(info: NodeInfo, num_classes: int | None) -> str | None:
     """Return why a parsed profile contradicts the registry or itself, or ``None``."""
     from models import model_entry
-    from models.spec import split_name
 
     if info.num_train <= 0:
         return f"handshake reports num-train={info.num_train}"
     if info.num_test < 0:
         return f"handshake reports num-test={info.num_test}"
-    model, spec = split_name(info.arch)
+    model, spec = info.ref.model, info.ref.spec
     entry = model_entry(model)
     if spec is not None:
         # a slice's size rank is derived from its measured cost on the device, not

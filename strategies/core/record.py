@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from strategies.core.context import RoundContext
 from strategies.core.nodes import NodeTable
 from strategies.core.validation import ClientReply
 from tessera import wire
+
+if TYPE_CHECKING:
+    from models.spec import ModelRef
 
 __all__ = ["client_entry", "round_record", "server_memory_mb"]
 
@@ -41,8 +44,10 @@ def server_memory_mb() -> dict[str, float]:
     return {"rss": round(rss, 1), "peak": round(peak, 1)}
 
 
-def client_entry(reply: ClientReply, table: NodeTable, bytes_down: int) -> dict[str, Any]:
-    """One accepted reply as the round record lists it."""
+def client_entry(
+    reply: ClientReply, table: NodeTable, bytes_down: int, ref: ModelRef
+) -> dict[str, Any]:
+    """One accepted reply as the round record lists it (``ref``: its model, structured)."""
     info = table.nodes.get(reply.node_id)
     metrics = reply.metrics
     return {
@@ -50,6 +55,7 @@ def client_entry(reply: ClientReply, table: NodeTable, bytes_down: int) -> dict[
         "partition_id": info.partition_id if info else None,
         "profile": info.profile.get("name") if info else None,
         "arch": reply.arch,
+        **ref.to_record(),
         "num_examples": reply.num_examples,
         "train_loss": metrics[wire.TRAIN_LOSS],
         "test_accuracy": metrics[wire.TEST_ACCURACY],
@@ -67,6 +73,7 @@ def round_record(
     *,
     strategy: str,
     table: NodeTable,
+    model_ref: Callable[[str], ModelRef],
     attackers: list[dict[str, Any]],
     evaluation: Mapping[str, Any],
     extra: Mapping[str, Any],
@@ -82,6 +89,9 @@ def round_record(
         The scheme's name.
     table : NodeTable
         The node table (partitions and profiles of the repliers).
+    model_ref : Callable[[str], ModelRef]
+        The structured model behind an architecture name (the scheme's
+        :meth:`~strategies.core.hooks.SchemeHooks.model_ref`), recorded with each reply.
     attackers : list[dict]
         Selected nodes the attack plan made hostile.
     evaluation : Mapping[str, Any]
@@ -92,7 +102,7 @@ def round_record(
         Why the round was skipped, or ``None``.
     """
     clients = [
-        client_entry(rep, table, ctx.bytes_down.get(rep.node_id, 0))
+        client_entry(rep, table, ctx.bytes_down.get(rep.node_id, 0), model_ref(rep.arch))
         for rep in sorted(ctx.accepted, key=lambda r: r.node_id)
     ]
     tested = [c for c in clients if c["num_test_examples"] > 0]

@@ -283,6 +283,7 @@ class HeteroStrategy(SchemeHooks):
             ctx,
             strategy=self.name,
             table=self.table,
+            model_ref=self.model_ref,
             attackers=self.attacks.attackers(self.table, ctx.assignment),
             evaluation=evaluation,
             extra=extra,

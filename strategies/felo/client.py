@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from models.base import TesseraModel
+from models.spec import ModelRef
 from strategies.core.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
 from strategies.felo.knowledge import (
     CLASS_TARGETS,
@@ -47,11 +48,11 @@ class FeloClient(ClientAlgorithm):
         return opts
 
     def build_model(
-        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+        self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int
     ) -> TesseraModel:
         """Build the zoo model, projected to ``feature-dim`` when features are exchanged."""
         return build_scheme_model(
-            arch,
+            ref,
             input_shape=input_shape,
             num_classes=num_classes,
             norm=self.run.scheme.norm,

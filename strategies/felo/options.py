@@ -8,6 +8,7 @@ from typing import Any
 
 from models.base import TesseraModel
 from models.projection import ProjectedModel
+from models.spec import ModelRef
 from strategies.felo.cvae import CVAEConfig
 from tessera.config import ConfigError, ConfigReader, FlatInput
 
@@ -125,7 +126,7 @@ class FeloOptions:
 
 
 def build_scheme_model(
-    arch: str,
+    arch: str | ModelRef,
     *,
     input_shape: tuple[int, ...],
     num_classes: int,

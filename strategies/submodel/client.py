@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.base import TesseraModel
-from models.spec import slice_name, split_name
+from models.spec import ModelRef
 from strategies.core.client import ClientAlgorithm, RoundInput
 from strategies.submodel.options import candidate_specs, resolve_global
 from tessera.config import RunConfig
@@ -91,7 +91,7 @@ class SubModelClient(ClientAlgorithm):
         """Return whether a node may cut its slice in width and in depth."""
         return self.options.width_flexible, self.options.depth_flexible
 
-    def candidate_archs(self, family: str) -> list[str]:
+    def candidate_archs(self, family: str) -> list[ModelRef]:
         """Return the slices of the global model this scheme lets a node train."""
         from models.slicing import family_layout, full_spec
 
@@ -104,16 +104,16 @@ class SubModelClient(ClientAlgorithm):
             width=width,
             depth=depth,
         )
-        return [slice_name(global_name, s) for s in specs]
+        return [ModelRef(global_name, s) for s in specs]
 
     def build_model(
-        self, arch: str, *, input_shape: tuple[int, ...], num_classes: int
+        self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int
     ) -> TesseraModel:
-        """Build slice ``arch`` with the scheme's options (:meth:`SubModelOptions.model_kwargs`)."""
+        """Build slice ``ref`` with the scheme's options (:meth:`SubModelOptions.model_kwargs`)."""
         from models import get_model
 
         return get_model(
-            arch,
+            ref,
             input_shape=input_shape,
             num_classes=num_classes,
             norm=self.run.scheme.norm,
@@ -134,7 +134,7 @@ class SubModelClient(ClientAlgorithm):
 
     def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
         """Attach the scaler for a narrow slice; size the class mask to the task."""
-        _, spec = split_name(rnd.arch)
+        spec = rnd.ref.spec
         if self.options.scaler and spec is not None:
             attach_scaler(model, spec.width)
         if self.present is not None and len(self.present) != rnd.num_classes:

@@ -11,9 +11,11 @@ model; everything else is here:
   logits of classes a node has no data of (``submodel-mask-classes``) and HeteroFL's
   scaler (``submodel-scaler``).
 - **Slices**: :func:`candidate_specs` lists the slices a scheme allows; a slice is
-  an architecture name ``<global>@w<width>-d<depths>`` (:func:`models.spec.slice_name`),
-  so the handshake, the reply schema, the model builders and the results work on it
-  as on any registered model. The device picks the largest slice that fits its
+  a :class:`~models.spec.ModelRef` (the global model plus a spec), carried as
+  structure in the handshake, the train messages and the round records, and printed
+  ``<global>@w<width>-d<depths>`` for people and as the key of its group, so the
+  reply schema, the model builders and the results work on it as on any
+  registered model. The device picks the largest slice that fits its
   memory and round time (:mod:`client_app.selection`, through
   :meth:`SubModelClient.candidate_archs`); its size rank is derived from its
   measured cost, not declared.
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from models.spec import Layout, SubModelSpec, slice_name, split_name
+from models.spec import Layout, ModelRef, SubModelSpec
 from strategies.core.aggregators import Index
 from strategies.core.context import RoundContext
 from strategies.core.groups import GroupModels, GroupRound, without_arrays
@@ -84,6 +86,10 @@ class SubModelStrategy(HeteroStrategy):
             width=width,
             depth=depth,
         )
+        self.refs: dict[str, ModelRef] = {
+            ref.name: ref for ref in (ModelRef(self.global_name, s) for s in self.specs)
+        }
+        """The slices a node may train, by printed name."""
         self.models = GroupModels(self.aggregator, self.group_initial, self.pool_direction)
         self._index: dict[str, dict[str, Index]] = {}
         self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None]] = (-1, {})
@@ -108,7 +114,7 @@ class SubModelStrategy(HeteroStrategy):
 
         torch.manual_seed(self.env.run.seed)
         return get_model(
-            arch,
+            self.model_ref(arch),
             input_shape=self.env.input_shape,
             num_classes=self.env.num_classes,
             norm=self.env.run.scheme.norm if norm is None else norm,
@@ -122,14 +128,22 @@ class SubModelStrategy(HeteroStrategy):
 
     def known_archs(self) -> list[str]:
         """Return the slices a node may name in the handshake."""
-        return [slice_name(self.global_name, s) for s in self.specs]
+        return list(self.refs)
 
     def spec_of(self, arch: str) -> SubModelSpec:
         """Return the spec of slice ``arch`` (the global model's for its own name)."""
-        model, spec = split_name(arch)
-        if model != self.global_name:
+        if arch == self.global_name:
+            return self.full
+        ref = self.refs.get(arch)
+        if ref is None or ref.spec is None:
             raise ValueError(f"'{arch}' is not a slice of the global model '{self.global_name}'")
-        return self.full if spec is None else spec
+        return ref.spec
+
+    def model_ref(self, arch: str) -> ModelRef:
+        """Return slice ``arch`` (or the global model) as a structured reference."""
+        if arch == self.global_name:
+            return ModelRef(self.global_name)
+        return ModelRef(self.global_name, self.spec_of(arch))
 
     @property
     def global_state(self) -> dict[str, np.ndarray]:
@@ -152,7 +166,7 @@ class SubModelStrategy(HeteroStrategy):
     @property
     def full_arch(self) -> str:
         """The architecture name of the full-size slice (the global model itself)."""
-        return slice_name(self.global_name, self.full)
+        return ModelRef(self.global_name, self.full).name
 
     def slice_direction(self, arch: str) -> dict[str, np.ndarray] | None:
         """Return the server's own update of slice ``arch`` on its pool (once a round).
