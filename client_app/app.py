@@ -224,8 +224,8 @@ def _announced_task(config: ConfigRecord) -> tuple[int | None, tuple[int, ...] |
             "the server's config names 'num-classes' but no 'input-shape'; the server "
             "and this client run different Tessera versions (check both use the same FAB)"
         )
-    num_classes = int(config["num-classes"])  # type: ignore[arg-type]
-    input_shape = tuple(int(v) for v in config["input-shape"])  # type: ignore[union-attr]
+    num_classes = wire.int_value(config, "num-classes")
+    input_shape = wire.int_list_value(config, "input-shape")
     return num_classes, input_shape
 
 
@@ -407,7 +407,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> M
     node = NodeConfig.from_flower(context.node_config)
     content = msg.content
     config = content.config_records.get(wire.CONFIG, ConfigRecord())
-    server_round = int(config.get("server-round", 0))  # type: ignore[arg-type]
+    server_round = wire.int_value(config, "server-round") if "server-round" in config else 0
     state = open_node_state(context, node, config)
     expect_classes, expect_shape = _announced_task(config)
     data = load_node_data(run, node, expect_shape=expect_shape, expect_classes=expect_classes)

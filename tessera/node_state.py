@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.common.typing import ConfigRecordValues
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
 from tessera.checkpoint import write_atomic
@@ -287,14 +288,15 @@ class NodeState:
     def saved_round(self) -> int:
         """The last round whose state was saved (0 if none)."""
         meta = self.config(META)
-        return int(meta.get("round", 0)) if meta is not None else 0  # type: ignore[arg-type]
+        value = meta.get("round", 0) if meta is not None else 0
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
     def save(self, server_round: int) -> None:
         """Mark the state as of ``server_round`` and write it to disk (if mirrored)."""
-        meta: dict[str, str | int] = {"owner": self.owner, "round": int(server_round)}
+        meta: dict[str, ConfigRecordValues] = {"owner": self.owner, "round": int(server_round)}
         if self.federation is not None:
             meta["federation"] = self.federation
-        self.records[META] = ConfigRecord(meta)  # type: ignore[arg-type]
+        self.records[META] = ConfigRecord(meta)
         if self.path is None:
             return
         data = recorddict_to_proto(self.records).SerializeToString()

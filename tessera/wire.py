@@ -136,3 +136,43 @@ def numpy_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord(
         {k: torch.from_numpy(np.array(v, order="C", copy=True)) for k, v in arrays.items()}
     )
+
+
+def int_value(record: Mapping[str, object], key: str) -> int:
+    """Return ``record[key]`` as an ``int``: an integer or a whole float, never a bool.
+
+    A message value is untrusted: ``int()`` alone would accept ``True``, truncate
+    ``2.7`` and parse text. Raises ``KeyError`` when the key is missing and
+    ``ValueError`` naming the key and the value otherwise.
+    """
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'{key}' is {value!r}, not a whole number")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"'{key}' is {value!r}, not a whole number")
+    return int(value)
+
+
+def float_value(record: Mapping[str, object], key: str) -> float:
+    """Return ``record[key]`` as a ``float``: a number, never a bool or text.
+
+    Raises ``KeyError`` when the key is missing and ``ValueError`` naming the key and
+    the value otherwise (a non-finite value is returned; callers that need a finite
+    one check it).
+    """
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'{key}' is {value!r}, not a number")
+    return float(value)
+
+
+def int_list_value(record: Mapping[str, object], key: str) -> tuple[int, ...]:
+    """Return ``record[key]`` as a tuple of ``int`` (each as :func:`int_value` reads it).
+
+    Raises ``KeyError`` when the key is missing and ``ValueError`` naming the key and
+    the value otherwise.
+    """
+    value = record[key]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"'{key}' is {value!r}, not a list of whole numbers")
+    return tuple(int_value({key: v}, key) for v in value)

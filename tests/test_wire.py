@@ -46,3 +46,33 @@ def test_payload_sizes_equal_payload_bytes_and_serialise_each_distinct_content_o
     assert len(calls) == 3
     assert sizes[2] >= sizes[0] + 108 * 4  # 108 more float32 values in the large model
     assert contents[0][wire.ARRAYS] is contents[1][wire.ARRAYS] is contents[4][wire.ARRAYS]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(3, 3), (3.0, 3), (-2, -2), (True, None), (2.7, None), ("3", None), (None, None)],
+)
+def test_int_value_reads_whole_numbers_only(value: object, expected: int | None) -> None:
+    from tessera.wire import int_value
+
+    if expected is None:
+        with pytest.raises(ValueError, match=r"'k' is .* not a whole number"):
+            int_value({"k": value}, "k")
+    else:
+        assert int_value({"k": value}, "k") == expected
+        assert isinstance(int_value({"k": value}, "k"), int)
+
+
+def test_float_and_int_list_values_refuse_what_int_and_float_would_coerce() -> None:
+    from tessera.wire import float_value, int_list_value
+
+    assert float_value({"x": 2}, "x") == 2.0
+    assert int_list_value({"s": [1, 8.0, 8]}, "s") == (1, 8, 8)
+    for bad in (True, "1.5"):
+        with pytest.raises(ValueError, match=r"'x' is .* not a number"):
+            float_value({"x": bad}, "x")
+    for bad_list in ("1,8,8", [1, True], [1, 2.5]):
+        with pytest.raises(ValueError, match="'s' is"):
+            int_list_value({"s": bad_list}, "s")
+    with pytest.raises(KeyError):
+        float_value({}, "x")

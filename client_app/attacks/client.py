@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
+from flwr.common.typing import MetricRecordValues
 from torch import nn
 
 from client_app.attacks.spec import AttackSpec, attack_for
@@ -121,11 +122,12 @@ class AttackClient(ClientWrapper):
                 else record
                 for name, record in records.items()
             }
-        if kind == "inflate" and isinstance(records.get(wire.METRICS), MetricRecord):
+        sent = records.get(wire.METRICS)
+        if kind == "inflate" and isinstance(sent, MetricRecord):
             claimed = len(outcome.train) * self.spec.inflate * self.run.training.local_epochs
-            metrics = dict(records[wire.METRICS])
+            metrics: dict[str, MetricRecordValues] = dict(sent)
             metrics[wire.NUM_EXAMPLES] = claimed
-            records[wire.METRICS] = MetricRecord(metrics)  # type: ignore[arg-type]
+            records[wire.METRICS] = MetricRecord(metrics)
         if kind in OMNISCIENT_ATTACKS:
             log.info(
                 "round %d: this node attacks (%s): it replies honestly and the in-process "

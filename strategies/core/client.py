@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.typing import MetricRecordValues
 from torch import nn
 
 from models.base import TesseraModel
@@ -272,7 +273,7 @@ class ClientAlgorithm:
     ) -> dict[str, Record]:
         """Return the reply's records: metrics, and the weights if the scheme sends them."""
         empty = outcome.num_test == 0
-        metrics: dict[str, float | int] = {
+        metrics: dict[str, MetricRecordValues] = {
             wire.NUM_EXAMPLES: outcome.stats.num_examples,
             wire.TRAIN_LOSS: outcome.stats.loss,
             wire.TEST_ACCURACY: 0.0 if empty else outcome.test_accuracy,
@@ -282,7 +283,7 @@ class ClientAlgorithm:
         }
         if self.keeps_personal_model:
             metrics[MODEL_ROUNDS] = personal_rounds(state, rnd.arch) + 1
-        records: dict[str, Record] = {wire.METRICS: MetricRecord(metrics)}  # type: ignore[arg-type]
+        records: dict[str, Record] = {wire.METRICS: MetricRecord(metrics)}
         if self.sends_weights:
             records[wire.ARRAYS] = wire.state_to_record(model.state_dict())
         return records
@@ -300,7 +301,7 @@ def personal_rounds(state: NodeState, arch: str) -> int:
     meta = state.config(STATE_MODEL_META)
     if meta is None or str(meta.get("arch")) != arch:
         return 0
-    return int(meta.get("rounds", 0))  # type: ignore[arg-type]
+    return wire.int_value(meta, "rounds") if "rounds" in meta else 0
 
 
 def load_state_record(model: nn.Module, record: ArrayRecord) -> None:

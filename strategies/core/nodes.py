@@ -174,19 +174,19 @@ def parse_handshake(
                 node_id,
                 f"handshake names arch '{named}' but its model and slice give '{ref.name}'",
             )
-        counts = tuple(int(c) for c in rec["label-counts"])  # type: ignore[union-attr]
+        counts = wire.int_list_value(rec, "label-counts")
         info = NodeInfo(
             node_id=node_id,
             ref=ref,
             family=str(rec["family"]),
-            size_rank=int(rec["size-rank"]),  # type: ignore[arg-type]
+            size_rank=wire.int_value(rec, "size-rank"),
             arch_fits=bool(rec["arch-fits"]),
-            num_train=int(rec["num-train"]),  # type: ignore[arg-type]
-            num_test=int(rec["num-test"]),  # type: ignore[arg-type]
-            partition_id=int(rec["partition-id"]),  # type: ignore[arg-type]
+            num_train=wire.int_value(rec, "num-train"),
+            num_test=wire.int_value(rec, "num-test"),
+            partition_id=wire.int_value(rec, "partition-id"),
             label_counts=counts,
             profile={k[len("device-") :]: v for k, v in rec.items() if k.startswith("device-")},
-            data_key=int(rec.get("data-key", rec["partition-id"])),  # type: ignore[arg-type]
+            data_key=wire.int_value(rec, "data-key" if "data-key" in rec else "partition-id"),
         )
     except (KeyError, TypeError, ValueError) as err:
         return Rejection(node_id, f"handshake profile is malformed: {err}")

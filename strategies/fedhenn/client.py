@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.common.typing import MetricRecordValues
 from torch import nn
 
 from models.base import TesseraModel
@@ -112,7 +113,7 @@ class FedHeNNClient(ClientAlgorithm):
         self.server_round = rnd.server_round
         if self.heterogeneous and PROBE in content.array_records:
             self.probe_x = content.array_records[PROBE]["x"].numpy()
-        self.eta = float(config.get(ETA_KEY, 0.0))  # type: ignore[arg-type]
+        self.eta = wire.float_value(config, ETA_KEY) if ETA_KEY in config else 0.0
         if self.eta <= 0 or ALIGN not in content.array_records:
             self.eta = 0.0
             return
@@ -142,11 +143,11 @@ class FedHeNNClient(ClientAlgorithm):
         """Return the RAD to align on: sent with the target, or the probe kept in node state."""
         if "x" in record:
             return _tensor(record, "x", device)
-        wanted = config.get(RAD_ROUND_KEY)
+        wanted = wire.int_value(config, RAD_ROUND_KEY) if RAD_ROUND_KEY in config else None
         meta = state.config(STATE_PROBE_META)
         kept = state.arrays(STATE_PROBE)
-        held = None if meta is None else int(meta.get("round", -1))  # type: ignore[arg-type]
-        if wanted is None or kept is None or held != int(wanted):  # type: ignore[arg-type]
+        held = None if meta is None else (wire.int_value(meta, "round") if "round" in meta else -1)
+        if wanted is None or kept is None or held != wanted:
             raise ConfigError(
                 f"the server sent no RAD and expects this node to keep the probe of round "
                 f"{wanted!r}, but its state holds round {held}; the node's state was lost "
@@ -229,7 +230,7 @@ class FedHeNNClient(ClientAlgorithm):
     # ---------------------------------------------------------------------- replies
     def stats_record(self) -> MetricRecord:
         """Return the ``fedhenn.stats`` record."""
-        values: dict[str, float | int] = {
+        values: dict[str, MetricRecordValues] = {
             STAT_ALIGN_SECONDS: self.align_seconds,
             STAT_SETUP_SECONDS: self.setup_seconds,
             STAT_REP_SECONDS: self.rep_seconds,
@@ -237,7 +238,7 @@ class FedHeNNClient(ClientAlgorithm):
         }
         if self.ckas:
             values[STAT_CKA] = float(np.mean(self.ckas))
-        return MetricRecord(values)  # type: ignore[arg-type]
+        return MetricRecord(values)
 
     def finish_round(
         self, model: nn.Module, rnd: RoundInput, outcome: RoundOutcome, state: NodeState

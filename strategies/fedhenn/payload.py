@@ -114,7 +114,7 @@ def representation_problem(content: RecordDict, *, rows: int, dim: int) -> str |
 
 
 def _stat(reply: ClientReply, key: str) -> float:
-    return float(reply.content.metric_records[STATS][key])  # type: ignore[arg-type]
+    return wire.float_value(reply.content.metric_records[STATS], key)
 
 
 def alignment_metrics(replies: Sequence[ClientReply], eta: float) -> dict[str, Any]:
