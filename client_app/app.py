@@ -270,7 +270,7 @@ def _profile(node: NodeConfig, state: NodeState) -> DeviceProfile:
     return resolve_profile(node.device_profile, None, node.partition_id, benchmark=True)
 
 
-def resolve(run_config: Any) -> tuple[RunConfig, ClientAlgorithm]:
+def resolve(run_config: Any) -> tuple[RunConfig, ClientAlgorithm[Any]]:
     """Read the run config as the scheme does (:func:`~strategies.core.registry.resolve_run`).
 
     Returns the resolved run config and the scheme's client algorithm.
@@ -384,7 +384,7 @@ def train(msg: Message, context: Context) -> Message:
     return train_round(msg, context, algorithm)
 
 
-def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm) -> Message:
+def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm[Any]) -> Message:
     """Run one round of ``algorithm``'s lifecycle on this node and build the reply.
 
     Parameters

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -49,7 +49,11 @@ class FedAvgOptions:
         return cls(arch=arch, exclude_unfit=r.get("fedavg-exclude-unfit", bool, False))
 
 
-class FedAvgStrategy(FedAvgGroupsStrategy):
+FedAvgOptionsT = TypeVar("FedAvgOptionsT", bound=FedAvgOptions)
+"""The options type of a scheme built on ``fedavg`` (a :class:`FedAvgOptions`)."""
+
+
+class FedAvgStrategy(FedAvgGroupsStrategy[FedAvgOptionsT]):
     """One global model of one architecture, example-weighted averaging.
 
     ``fedavg-groups`` where every node is assigned the same architecture.
@@ -67,7 +71,7 @@ class FedAvgStrategy(FedAvgGroupsStrategy):
         return self.models.get(self.shared_arch)
 
     def _choose_shared(self, nodes: Mapping[int, NodeInfo]) -> str:
-        opts: FedAvgOptions = self.options
+        opts = self.options
         if opts.arch is not None:
             return opts.arch
         pick = max if opts.exclude_unfit else min
@@ -114,7 +118,7 @@ class FedAvgStrategy(FedAvgGroupsStrategy):
         self.shared_arch = None if shared is None else str(shared)
 
 
-class FedAvgClient(ClientAlgorithm):
+class FedAvgClient(ClientAlgorithm[FedAvgOptionsT]):
     """Cross-entropy training of the received global model."""
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flwr.app import RecordDict
@@ -16,8 +16,11 @@ from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from tessera import wire
 
+GroupOptionsT = TypeVar("GroupOptionsT")
+"""The options type of a scheme built on group averaging (``None`` for ``fedavg-groups``)."""
 
-class FedAvgGroupsStrategy(HeteroStrategy):
+
+class FedAvgGroupsStrategy(HeteroStrategy[GroupOptionsT]):
     """One global model per architecture, each averaged over its own group.
 
     Replies are folded through the injected aggregator as they arrive

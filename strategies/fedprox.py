@@ -35,7 +35,7 @@ class FedProxOptions(FedAvgOptions):
         return cls(arch=base.arch, exclude_unfit=base.exclude_unfit, proximal_mu=mu)
 
 
-class FedProxStrategy(FedAvgStrategy):
+class FedProxStrategy(FedAvgStrategy[FedProxOptions]):
     """FedAvg's server; the proximal term is the clients' alone.
 
     Each client reads ``proximal-mu`` from the run config it shares with the server,
@@ -68,7 +68,7 @@ def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-class FedProxClient(FedAvgClient):
+class FedProxClient(FedAvgClient[FedProxOptions]):
     """Cross-entropy plus the proximal term towards the received global weights."""
 
     def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:

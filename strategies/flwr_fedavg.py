@@ -198,7 +198,7 @@ class FlowerFedAvgRunner:
         )
 
 
-class FlowerFedAvgClient(ClientAlgorithm):
+class FlowerFedAvgClient(ClientAlgorithm[FlowerFedAvgOptions]):
     """Trains ``fedavg-arch``; Flower's messages name no architecture."""
 
     def arch_for(self, config: ConfigRecord) -> ModelRef:

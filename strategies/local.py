@@ -64,27 +64,27 @@ class LocalOptions:
         return get_scheme(self.like).family(self.like_options)
 
 
-class LocalStrategy(HeteroStrategy):
+class LocalStrategy(HeteroStrategy[LocalOptions]):
     """Sends only the round's config; nothing is aggregated."""
 
     def known_archs(self) -> list[str]:
         """Return the ``local-like`` scheme's candidates (its slices), else every model."""
         options = self.options
-        if not isinstance(options, LocalOptions) or options.like is None:
+        if options.like is None:
             return super().known_archs()
         client = get_scheme(options.like).client(run=self.env.run, options=options.like_options)
         return [ref.name for ref in client.candidate_archs(self.env.family)]
 
 
-class LocalClient(ClientAlgorithm):
+class LocalClient(ClientAlgorithm[LocalOptions]):
     """Keeps its own model across rounds and never shares it."""
 
-    def __init__(self, *, run: RunConfig, options: Any) -> None:
+    def __init__(self, *, run: RunConfig, options: LocalOptions) -> None:
         super().__init__(run=run, options=options)
         self.keeps_personal_model = True
         self.sends_weights = False
-        like = options.like if isinstance(options, LocalOptions) else None
-        self.like: ClientAlgorithm | None = (
+        like = options.like
+        self.like: ClientAlgorithm[Any] | None = (
             None if like is None else get_scheme(like).client(run=run, options=options.like_options)
         )
 

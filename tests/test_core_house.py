@@ -552,3 +552,60 @@ def test_a_train_message_whose_name_and_structure_disagree_is_refused() -> None:
     assert client.arch_for(good) == ModelRef("cnn-1")
     with pytest.raises(ConfigError, match="names arch 'cnn-1' but its model and slice give"):
         client.arch_for(bad)
+
+
+# ------------------------------------------------------------- typed scheme contracts
+def _options_type(cls: type) -> type | None:
+    """The options type a class gives its generic base (a type variable's bound), if any."""
+    import sys
+    import typing
+
+    for klass in cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            args = typing.get_args(base)
+            if not args:
+                continue
+            kind = args[0]
+            if isinstance(kind, typing.TypeVar):  # generic further down: its bound, if any
+                kind = kind.__bound__
+            if isinstance(kind, str):  # a forward reference to the bound
+                kind = vars(sys.modules[klass.__module__]).get(kind)
+            if isinstance(kind, typing.ForwardRef):
+                kind = vars(sys.modules[klass.__module__]).get(kind.__forward_arg__)
+            if isinstance(kind, type):
+                return kind
+    return None
+
+
+def test_every_scheme_s_server_and_client_are_typed_by_the_options_it_parses(
+    default_run_config: dict[str, Any],
+) -> None:
+    from strategies import get_scheme, list_schemes
+
+    untyped = []
+    for name in list_schemes():
+        # Prepare: the options the scheme parses from the defaults
+        scheme = get_scheme(name)
+        config = {**default_run_config, "strategy": name, "fedavg-arch": "cnn-2"}
+        options = scheme.parse_options(config)
+
+        servers = (scheme.server,) if isinstance(scheme.server, type) else ()
+        classes = (*servers, *scheme.server_classes, scheme.client)
+
+        # Execute: the options type each class declares
+        declared = [_options_type(c) for c in classes]
+
+        # Assert: what it declares is what it gets (None: a scheme with no options)
+        for cls, kind in zip(classes, declared, strict=True):
+            if kind is None:
+                untyped.append((name, cls.__name__))
+            else:
+                assert isinstance(options, kind), (name, cls.__name__, kind, type(options))
+    # only the generic client (it reads no options), fedavg-groups (it has none) and
+    # the runner of Flower's own FedAvg (no Tessera strategy)
+    assert sorted(untyped) == [
+        ("ensemble", "ClientAlgorithm"),
+        ("fedavg-groups", "ClientAlgorithm"),
+        ("fedavg-groups", "FedAvgGroupsStrategy"),
+        ("flwr-fedavg", "FlowerFedAvgRunner"),
+    ]

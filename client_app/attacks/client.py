@@ -55,7 +55,7 @@ def _floating(state: Mapping[str, torch.Tensor]) -> list[str]:
     return [k for k, v in state.items() if torch.is_floating_point(v)]
 
 
-class AttackClient(ClientWrapper):
+class AttackClient(ClientWrapper[Any]):
     """A hostile client: an honest scheme client whose update or data is tampered with.
 
     Parameters
@@ -66,7 +66,7 @@ class AttackClient(ClientWrapper):
         What it does.
     """
 
-    def __init__(self, inner: ClientAlgorithm, spec: AttackSpec) -> None:
+    def __init__(self, inner: ClientAlgorithm[Any], spec: AttackSpec) -> None:
         super().__init__(inner)
         self.spec = spec
         self._start: dict[str, torch.Tensor] = {}
@@ -243,7 +243,9 @@ class AttackClient(ClientWrapper):
         return wire.numpy_to_record(out)
 
 
-def with_attack(algorithm: ClientAlgorithm, run: RunConfig, node: NodeConfig) -> ClientAlgorithm:
+def with_attack(
+    algorithm: ClientAlgorithm[Any], run: RunConfig, node: NodeConfig
+) -> ClientAlgorithm[Any]:
     """Wrap ``algorithm`` in this node's attack, if it has one (else return it unchanged)."""
     spec = attack_for(run, node)
     if spec is None:

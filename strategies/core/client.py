@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -114,14 +114,20 @@ class RoundOutcome:
     device: torch.device
 
 
-class ClientAlgorithm:
+OptionsT = TypeVar("OptionsT")
+"""A scheme's options type (what its ``parse_options`` returns)."""
+
+
+class ClientAlgorithm(Generic[OptionsT]):
     """Default client behaviour: cross-entropy training of the model it is sent.
+
+    Generic over the scheme's options type, as the server strategy is.
 
     Parameters
     ----------
     run : RunConfig
         The common run configuration.
-    options : Any
+    options : OptionsT
         The scheme's typed options.
 
     Attributes
@@ -133,7 +139,7 @@ class ClientAlgorithm:
         starts from it when the server sends no weights.
     """
 
-    def __init__(self, *, run: RunConfig, options: Any) -> None:
+    def __init__(self, *, run: RunConfig, options: OptionsT) -> None:
         self.run = run
         self.options = options
         self.sends_weights = True
@@ -331,7 +337,7 @@ def load_state_record(model: nn.Module, record: ArrayRecord) -> None:
     model.load_state_dict(state, strict=False)
 
 
-class ClientWrapper(ClientAlgorithm):
+class ClientWrapper(ClientAlgorithm[OptionsT]):
     """A client that delegates every lifecycle step to another, to alter some of them.
 
     Subclasses override the steps they change and call the inner client for the
@@ -344,7 +350,7 @@ class ClientWrapper(ClientAlgorithm):
         The scheme's client (or another wrapper).
     """
 
-    def __init__(self, inner: ClientAlgorithm) -> None:
+    def __init__(self, inner: ClientAlgorithm[OptionsT]) -> None:
         self.inner = inner
         self.run = inner.run
         self.options = inner.options

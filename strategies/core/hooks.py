@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -31,17 +31,22 @@ log = logging.getLogger("flwr.tessera")
 __all__ = ["SchemeHooks"]
 
 
-class SchemeHooks:
+OptionsT = TypeVar("OptionsT")
+"""A scheme's options type (what its ``parse_options`` returns)."""
+
+
+class SchemeHooks(Generic[OptionsT]):
     """Default hooks of a scheme (see the module docstring).
 
-    The attributes are set by :class:`~strategies.core.strategy.HeteroStrategy`.
+    Generic over the scheme's options type, so a scheme reads its options typed. The
+    attributes are set by :class:`~strategies.core.strategy.HeteroStrategy`.
     """
 
     name: ClassVar[str] = "hetero"
     """The scheme's name: :func:`~strategies.core.registry.register_scheme` sets it from
     the one place it is written, the scheme's registration."""
     env: ServerEnv
-    options: Any
+    options: OptionsT
     aggregator: Aggregator
     server_trust: bool
     federation: str

@@ -95,7 +95,7 @@ class Scheme(Generic[OptionsT]):
 
     name: str
     server: Callable[..., ServerRunner]
-    client: type[ClientAlgorithm]
+    client: type[ClientAlgorithm[OptionsT]]
     parse_options: Callable[[Mapping[str, Any]], OptionsT]
     default_family: str
     description: str

@@ -65,7 +65,7 @@ from strategies.core.aggregators import Aggregator, AggregatorSettings, get_aggr
 from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.exchange import exchange, wait_for_nodes
 from strategies.core.groups import NonFiniteStateError
-from strategies.core.hooks import SchemeHooks
+from strategies.core.hooks import OptionsT, SchemeHooks
 from strategies.core.nodes import NodeTable
 from strategies.core.observers import AttackObserver
 from strategies.core.record import round_record
@@ -88,14 +88,17 @@ class RunStoppedError(RuntimeError):
     """The run cannot go on (too many skipped rounds, too few nodes)."""
 
 
-class HeteroStrategy(SchemeHooks):
+class HeteroStrategy(SchemeHooks[OptionsT]):
     """Base class of Tessera's schemes (see the module docstring).
+
+    Generic over the scheme's options type: ``class FedProxStrategy(
+    FedAvgStrategy[FedProxOptions])`` reads ``self.options.proximal_mu`` typed.
 
     Parameters
     ----------
     env : ServerEnv
         Task description and server-side data.
-    options : Any
+    options : OptionsT
         The scheme's own typed options (its ``Options.parse`` result).
     results : ResultsWriter | None
         Where round records and checkpoints go; ``None`` keeps them in memory only.
@@ -107,7 +110,7 @@ class HeteroStrategy(SchemeHooks):
         self,
         *,
         env: ServerEnv,
-        options: Any,
+        options: OptionsT,
         results: ResultsWriter | None,
         aggregator: Aggregator | None = None,
     ) -> None:

@@ -127,7 +127,7 @@ class EnsembleOptions:
         return cls(names, trials, every, fraction, steps)
 
 
-class EnsembleStrategy(FedAvgGroupsStrategy):
+class EnsembleStrategy(FedAvgGroupsStrategy[EnsembleOptions]):
     """``fedavg-groups`` plus the tuned weighted ensemble of the group models."""
 
     def __init__(self, **kwargs: Any) -> None:

@@ -77,7 +77,7 @@ def _tensor(record: ArrayRecord, key: str, device: torch.device) -> torch.Tensor
     return torch.from_numpy(np.asarray(record[key].numpy(), dtype=np.float32)).to(device)
 
 
-class FedHeNNClient(ClientAlgorithm):
+class FedHeNNClient(ClientAlgorithm[FedHeNNOptions]):
     """Client side of FedHeNN: cross-entropy plus ``eta * (1 - CKA)`` on RAD subsets.
 
     The mode is decided here, from the options. Homogeneous: the node trains the

@@ -88,7 +88,7 @@ class RadSampler:
         return self._cache[server_round]
 
 
-class FedHeNNHomogeneousStrategy(FedAvgStrategy):
+class FedHeNNHomogeneousStrategy(FedAvgStrategy[FedHeNNOptions]):
     """FedAvg of one shared architecture plus the RAD for the CKA term."""
 
     def __init__(self, *, env: ServerEnv, options: FedHeNNOptions, **kwargs: Any) -> None:
@@ -140,7 +140,7 @@ class AlignmentTarget:
     built_in_round: int
 
 
-class FedHeNNHeterogeneousStrategy(HeteroStrategy):
+class FedHeNNHeterogeneousStrategy(HeteroStrategy[FedHeNNOptions]):
     """Personal models on their own architectures, aligned to the averaged kernel."""
 
     def __init__(self, *, env: ServerEnv, options: FedHeNNOptions, **kwargs: Any) -> None:
@@ -458,7 +458,7 @@ def target_from_state(
 
 def fedhenn_server(
     *, env: ServerEnv, options: FedHeNNOptions, results: ResultsWriter | None
-) -> HeteroStrategy:
+) -> HeteroStrategy[FedHeNNOptions]:
     """Build the server side of the mode ``options.mode``."""
     if options.mode == HOMOGENEOUS:
         return FedHeNNHomogeneousStrategy(env=env, options=options, results=results)

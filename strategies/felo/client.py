@@ -26,7 +26,7 @@ from tessera.node_state import NodeState
 from tessera.training import LossFn
 
 
-class FeloClient(ClientAlgorithm):
+class FeloClient(ClientAlgorithm[FeloOptions]):
     """Client of ``felo``/``velo``/``fedhe``: equation (1), then per-class knowledge.
 
     With ``share_weights`` (Felo's default) it sends its weights for FedAvg within
@@ -43,9 +43,8 @@ class FeloClient(ClientAlgorithm):
 
     @property
     def felo(self) -> FeloOptions:
-        """The typed options."""
-        opts: FeloOptions = self.options
-        return opts
+        """The options (a shorter name for :attr:`options`)."""
+        return self.options
 
     def build_model(
         self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int

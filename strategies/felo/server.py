@@ -38,7 +38,7 @@ from tessera import wire
 log = logging.getLogger("flwr.tessera")
 
 
-class FeloStrategy(HeteroStrategy):
+class FeloStrategy(HeteroStrategy[FeloOptions]):
     """Felo's server: per-class averages of knowledge, FedAvg within architecture groups."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -48,9 +48,8 @@ class FeloStrategy(HeteroStrategy):
 
     @property
     def felo(self) -> FeloOptions:
-        """The typed options."""
-        opts: FeloOptions = self.options
-        return opts
+        """The options (a shorter name for :attr:`options`)."""
+        return self.options
 
     @property
     def group_arrays(self) -> dict[str, dict[str, np.ndarray]]:

@@ -16,7 +16,7 @@ from torch import nn
 from models.base import TesseraModel
 from models.spec import ModelRef
 from strategies.core.client import ClientAlgorithm, RoundInput
-from strategies.submodel.options import candidate_specs, resolve_global
+from strategies.submodel.options import SubModelOptionsT, candidate_specs, resolve_global
 from tessera.config import RunConfig
 from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
@@ -76,14 +76,14 @@ def attach_scaler(model: nn.Module, width: float) -> int:
     return count
 
 
-class SubModelClient(ClientAlgorithm):
+class SubModelClient(ClientAlgorithm[SubModelOptionsT]):
     """A node of a sub-model scheme: trains the slice the server names.
 
     Its options' ``width_flexible`` and ``depth_flexible`` say which slices it may
     pick in the handshake.
     """
 
-    def __init__(self, *, run: RunConfig, options: Any) -> None:
+    def __init__(self, *, run: RunConfig, options: SubModelOptionsT) -> None:
         super().__init__(run=run, options=options)
         self.present: torch.Tensor | None = None
 

@@ -142,7 +142,7 @@ class FedFAOptions(SubModelOptions):
         )
 
 
-class FedFAClient(SubModelClient):
+class FedFAClient(SubModelClient[FedFAOptions]):
     """A FedFA node: picks a width and a depth (or one of them, ``fedfa-slices``)."""
 
 
@@ -158,7 +158,7 @@ class FedFARound:
     """Nodes dropped by the direction check, with their cosine."""
 
 
-class FedFAStrategy(SubModelStrategy):
+class FedFAStrategy(SubModelStrategy[FedFAOptions]):
     """FedFA's server: graft every reply to the global depth, then scalable aggregation."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -170,7 +170,7 @@ class FedFAStrategy(SubModelStrategy):
 
     def _accumulator(self) -> ScalableAccumulator:
         """Open this round's accumulator on the global weights (at the first reply)."""
-        opts: FedFAOptions = self.options
+        opts = self.options
         return ScalableAccumulator(
             self.global_state,
             target=opts.target,

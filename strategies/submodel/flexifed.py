@@ -126,7 +126,7 @@ class FlexiFedOptions(SubModelOptions):
         return cls(**cls.read(run_config), strategy=strategy)
 
 
-class FlexiFedClient(SubModelClient):
+class FlexiFedClient(SubModelClient[FlexiFedOptions]):
     """A FlexiFed node: picks a depth, keeps every channel."""
 
 
@@ -137,7 +137,7 @@ class PendingPersonal:
     entries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
-class FlexiFedStrategy(SubModelStrategy):
+class FlexiFedStrategy(SubModelStrategy[FlexiFedOptions]):
     """FlexiFed's server (module docstring)."""
 
     def __init__(self, **kwargs: Any) -> None:

@@ -51,11 +51,11 @@ class HeteroFLOptions(SubModelOptions):
         return cls(**cls.read(run_config), rolling=rolling)
 
 
-class HeteroFLClient(SubModelClient):
+class HeteroFLClient(SubModelClient[HeteroFLOptions]):
     """A HeteroFL node: picks a width, keeps every block."""
 
 
-class HeteroFLStrategy(SubModelStrategy):
+class HeteroFLStrategy(SubModelStrategy[HeteroFLOptions]):
     """HeteroFL's server: prefix slices out, coverage average in."""
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:

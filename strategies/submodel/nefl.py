@@ -60,11 +60,11 @@ def step_entries(keys: frozenset[str] | set[str]) -> frozenset[str]:
     return frozenset(k for k in keys if k.rsplit(".", 1)[-1] == BLOCK_STEP)
 
 
-class NeFLClient(SubModelClient):
+class NeFLClient(SubModelClient[NeFLOptions]):
     """A NeFL node: picks a width and a depth."""
 
 
-class NeFLStrategy(SubModelStrategy):
+class NeFLStrategy(SubModelStrategy[NeFLOptions]):
     """NeFL's server: shared weights by coverage, normalisation and steps per slice."""
 
     def __init__(self, **kwargs: Any) -> None:

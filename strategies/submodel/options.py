@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from models.spec import SubModelSpec
 from tessera.config import ConfigError, ConfigReader, RunConfig
@@ -27,6 +27,9 @@ __all__ = [
     "validate_submodel",
 ]
 
+
+SubModelOptionsT = TypeVar("SubModelOptionsT", bound="SubModelOptions")
+"""The options type of one sub-model scheme (a :class:`SubModelOptions`)."""
 
 COVERAGE_AGGREGATORS = ("mean", "norm-clip")
 """Aggregators that fold partial (sliced) updates by coverage; the buffered robust

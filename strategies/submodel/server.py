@@ -46,6 +46,7 @@ from strategies.core.validation import ClientReply, ReplySchema
 from strategies.submodel.extract import extract
 from strategies.submodel.options import (
     COVERAGE_AGGREGATORS,
+    SubModelOptionsT,
     candidate_specs,
     check_aggregator,
     resolve_global,
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 
-class SubModelStrategy(HeteroStrategy):
+class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
     """Server side of a sub-model scheme (module docstring).
 
     Subclasses set ``width_flexible`` / ``depth_flexible`` and override :meth:`fold`
