@@ -1,25 +1,21 @@
-"""Federated schemes: one module or package per scheme, each registering itself on import.
+"""Federated schemes: a package each, or a module in a family's package.
 
-The machinery every scheme shares (the round loop, the node table, aggregation,
-reply validation, the client lifecycle, the scheme registry) lives in
-:mod:`strategies.core`; the sub-model schemes (HeteroFL, FlexiFed, NeFL, FedFA) share
-:mod:`strategies.submodel`, one module each.
+Each registers itself on import. The machinery every scheme shares (the round
+loop, the node table, aggregation, reply validation, the client lifecycle, the
+scheme registry) lives in
+:mod:`strategies.core`. FedHeNN (:mod:`strategies.fedhenn`), Felo/Velo/FedHe
+(:mod:`strategies.felo`) and the heterogeneous ensemble (:mod:`strategies.ensemble`)
+are a package each; the sub-model schemes (HeteroFL, FlexiFed, NeFL, FedFA) share
+:mod:`strategies.submodel` and the baselines (``fedavg-groups``, ``fedavg``,
+``fedprox``, ``local``, ``flwr-fedavg``) share :mod:`strategies.baselines`, one
+module each.
 
 ``get_scheme(name)`` returns a :class:`~strategies.core.registry.Scheme` holding the
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-from strategies import (
-    ensemble,
-    fedavg,
-    fedavg_groups,
-    fedhenn,
-    fedprox,
-    felo,
-    flwr_fedavg,
-    local,
-    submodel,
-)
+from strategies import baselines, ensemble, fedhenn, felo, submodel
+from strategies.baselines import fedavg, fedavg_groups, fedprox, flwr_fedavg, local
 from strategies.core import robust
 from strategies.core.registry import (
     Scheme,
@@ -34,6 +30,7 @@ from strategies.submodel import fedfa, flexifed, heterofl, nefl
 __all__ = [
     "Scheme",
     "SchemeError",
+    "baselines",
     "ensemble",
     "fedavg",
     "fedavg_groups",

@@ -18,10 +18,10 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from client_app.app import handshake, resolve, train, train_round
 from server_app.app import build_server
+from strategies.baselines.fedavg_groups import FedAvgGroupsStrategy
 from strategies.core.client import ClientWrapper, Record, RoundInput, RoundOutcome
 from strategies.core.context import RoundContext
 from strategies.core.strategy import HeteroStrategy, RunStoppedError
-from strategies.fedavg_groups import FedAvgGroupsStrategy
 from strategies.felo.knowledge import KNOWLEDGE, record_to_knowledge
 from tessera import wire
 from tessera.config import ConfigError

@@ -27,11 +27,11 @@ from torch import nn
 from models import model_entry
 from server_app.app import build_server
 from strategies import get_scheme, list_schemes, register_scheme
+from strategies.baselines.fedprox import FedProxClient, FedProxOptions, proximal_term
 from strategies.core import registry as scheme_registry
 from strategies.core.exchange import exchange, wait_for_nodes
 from strategies.core.nodes import parse_handshake
 from strategies.core.validation import Rejection
-from strategies.fedprox import FedProxClient, FedProxOptions, proximal_term
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.results import plot_rounds
@@ -557,7 +557,7 @@ def test_local_sends_and_receives_no_arrays(federation: FederationRunner) -> Non
 def test_local_like_trains_the_named_schemes_slices_alone(
     federation: FederationRunner, default_run_config: dict[str, Any]
 ) -> None:
-    from strategies.local import LocalOptions
+    from strategies.baselines.local import LocalOptions
 
     # Execute
     fed = federation("local-like-fedfa")
@@ -590,14 +590,14 @@ def test_local_like_trains_the_named_schemes_slices_alone(
 def test_local_like_refuses_a_bad_scheme(
     default_run_config: dict[str, Any], like: str, match: str
 ) -> None:
-    from strategies.local import LocalOptions
+    from strategies.baselines.local import LocalOptions
 
     with pytest.raises(ConfigError, match=re.escape(match)):
         LocalOptions.parse({**default_run_config, "local-like": like})
 
 
 def test_local_like_family_follows_the_named_scheme(default_run_config: dict[str, Any]) -> None:
-    from strategies.local import LocalOptions
+    from strategies.baselines.local import LocalOptions
 
     local = get_scheme("local")
     for like, family in (("", "cnn"), ("ensemble", "mixed"), ("heterofl", "preresnet")):

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from strategies.baselines.fedavg_groups import FedAvgGroupsStrategy
 from strategies.core.client import ClientAlgorithm
 from strategies.core.context import RoundContext
 from strategies.core.groups import non_finite_entries
@@ -55,7 +56,6 @@ from strategies.core.nodes import NodeInfo
 from strategies.core.registry import Scheme, register_scheme
 from strategies.ensemble.optimizers import OPTIMIZERS, Split, tune
 from strategies.ensemble.weights import output_problem, uniform_weights
-from strategies.fedavg_groups import FedAvgGroupsStrategy
 from tessera.config import ConfigError, ConfigReader
 from tessera.data import ArrayDataset
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.fedavg import FedAvgOptions
+from strategies.baselines.fedavg import FedAvgOptions
 from strategies.fedhenn.payload import MIN_RAD_ROWS
 from tessera.config import ConfigError, ConfigReader
 

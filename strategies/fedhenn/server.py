@@ -18,11 +18,11 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from models.base import TesseraModel
 from models.cost import count_parameters
+from strategies.baselines.fedavg import FedAvgStrategy
 from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.groups import NonFiniteStateError
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
-from strategies.fedavg import FedAvgStrategy
 from strategies.fedhenn.kbar import FactoredKernel, average_kernel, factorise
 from strategies.fedhenn.options import HETEROGENEOUS, HOMOGENEOUS, FedHeNNOptions
 from strategies.fedhenn.payload import (

@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from strategies.baselines.fedavg_groups import FedAvgGroupsStrategy
 from strategies.core.client import ClientAlgorithm
 from strategies.core.context import RoundContext
 from strategies.core.nodes import NodeInfo
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply
-from strategies.fedavg_groups import FedAvgGroupsStrategy
 from tessera.config import ConfigError, ConfigReader
 
 

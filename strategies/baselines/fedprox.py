@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.baselines.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
 from strategies.core.client import RoundInput
 from strategies.core.registry import Scheme, register_scheme
-from strategies.fedavg import FedAvgClient, FedAvgOptions, FedAvgStrategy
 from tessera.config import ConfigError, ConfigReader
 from tessera.node_state import NodeState
 from tessera.training import LossFn
