@@ -8,6 +8,7 @@ family is not the default ``cnn`` is compared with a floor of its own architectu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,13 +68,25 @@ class LocalOptions:
 class LocalStrategy(HeteroStrategy[LocalOptions]):
     """Sends only the round's config; nothing is aggregated."""
 
-    def known_archs(self) -> list[str]:
-        """Return the ``local-like`` scheme's candidates (its slices), else every model."""
+    @functools.cached_property
+    def like_refs(self) -> dict[str, ModelRef]:
+        """The ``local-like`` scheme's candidates by printed name (empty without one)."""
         options = self.options
         if options.like is None:
-            return super().known_archs()
+            return {}
         client = get_scheme(options.like).client(run=self.env.run, options=options.like_options)
-        return [ref.name for ref in client.candidate_archs(self.env.family)]
+        return {ref.name: ref for ref in client.candidate_archs(self.env.family)}
+
+    def known_archs(self) -> list[str]:
+        """Return the ``local-like`` scheme's candidates (its slices), else every model."""
+        if self.options.like is None:
+            return super().known_archs()
+        return list(self.like_refs)
+
+    def model_ref(self, arch: str) -> ModelRef:
+        """Return the ``local-like`` scheme's slice named ``arch``, else the default."""
+        ref = self.like_refs.get(arch)
+        return ref if ref is not None else super().model_ref(arch)
 
 
 class LocalClient(ClientAlgorithm[LocalOptions]):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from models.spec import ModelRef
+from models.spec import SLICE_SEPARATOR, ModelRef
 from strategies.core.aggregators import Aggregator
 from strategies.core.context import FEDERATION, RoundContext, ServerEnv
 from strategies.core.nodes import NodeInfo, NodeTable
@@ -205,19 +205,22 @@ class SchemeHooks(Generic[OptionsT]):
     def model_ref(self, arch: str) -> ModelRef:
         """Return the structured reference behind architecture name ``arch``.
 
-        Default: the reference a node reported in its handshake under that name, else
-        the registered model ``arch``. A scheme that makes its own slices (the
-        sub-model schemes) returns those.
+        Default: the registered model ``arch`` (constant time: it is called for every
+        message); a slice's name, which no registered model has, is looked up among
+        the references the nodes reported in their handshakes. A scheme that makes
+        its own slices (the sub-model schemes) returns those.
 
         Raises
         ------
         ValueError
-            If ``arch`` is neither a node's model nor a registered model's name.
+            If ``arch`` is neither a registered model's name nor a node's model.
         """
+        if SLICE_SEPARATOR not in arch:
+            return ModelRef(arch)
         for info in self.nodes.values():
             if info.arch == arch:
                 return info.ref
-        return ModelRef(arch)
+        raise ValueError(f"no node reported the slice '{arch}' and this scheme makes none")
 
     def train_config(self, ctx: RoundContext, node_id: int, arch: str) -> ConfigRecord:
         """Build the ``config`` record: round, model (structure and name), task shape."""
