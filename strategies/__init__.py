@@ -6,15 +6,16 @@ scheme registry) lives in
 :mod:`strategies.core`. FedHeNN (:mod:`strategies.fedhenn`), Felo/Velo/FedHe
 (:mod:`strategies.felo`) and the heterogeneous ensemble (:mod:`strategies.ensemble`)
 are a package each; the sub-model schemes (HeteroFL, FlexiFed, NeFL, FedFA) share
-:mod:`strategies.submodel` and the baselines (``fedavg-groups``, ``fedavg``,
-``fedprox``, ``local``, ``flwr-fedavg``) share :mod:`strategies.baselines`, one
-module each.
+:mod:`strategies.submodel`, the prototype schemes (FedProto, FedTGP)
+:mod:`strategies.prototypes` and the baselines (``fedavg-groups``, ``fedavg``,
+``fedprox``, ``local``, ``flwr-fedavg``) :mod:`strategies.baselines`, one module
+each.
 
 ``get_scheme(name)`` returns a :class:`~strategies.core.registry.Scheme` holding the
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-from strategies import baselines, ensemble, fedhenn, felo, submodel
+from strategies import baselines, ensemble, fedhenn, felo, prototypes, submodel
 from strategies.baselines import fedavg, fedavg_groups, fedprox, flwr_fedavg, local
 from strategies.core import robust
 from strategies.core.registry import (
@@ -45,6 +46,7 @@ __all__ = [
     "list_schemes",
     "local",
     "nefl",
+    "prototypes",
     "register_scheme",
     "resolve_run",
     "robust",

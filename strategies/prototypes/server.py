@@ -1,0 +1,208 @@
+"""The server FedProto and FedTGP share: prototypes in, global prototypes out, no weights.
+
+Each round it sends the current global prototypes (none in round 1), demands a
+valid ``class-prototypes`` record in every reply
+(:func:`~strategies.prototypes.payload.check_prototype_record`, before any
+arithmetic), merges the accepted ones robustly
+(:func:`~strategies.prototypes.merge.merge_prototypes`: counts capped, rows
+bounded, run-config ``knowledge-merge``) and turns the result into the next global
+prototypes with :meth:`PrototypeStrategy.make_global`: FedProto sends the merge
+itself, FedTGP trains its generator on the bounded client prototypes. Nothing is
+committed unless every value is finite; otherwise the round is skipped and the
+previous prototypes stay.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+from flwr.app import RecordDict
+
+from strategies.core.context import RoundContext
+from strategies.core.groups import NonFiniteStateError
+from strategies.core.strategy import HeteroStrategy
+from strategies.core.validation import ClientReply, ReplySchema
+from strategies.prototypes.merge import PrototypeMerge, merge_prototypes
+from strategies.prototypes.options import PrototypeOptionsT
+from strategies.prototypes.payload import (
+    CLASS_IDS,
+    CLASS_PROTOTYPES,
+    COUNTS,
+    GLOBAL_PROTOTYPES,
+    PROTO_ACCURACY,
+    PROTOTYPES,
+    ClassPrototypes,
+    check_prototype_record,
+    prototype_problem,
+    prototypes_to_record,
+    record_to_prototypes,
+)
+
+log = logging.getLogger("flwr.tessera")
+
+__all__ = ["PrototypeStrategy", "prototypes_from_state"]
+
+
+class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
+    """Server of a prototype scheme (module docstring); subclasses override :meth:`make_global`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.global_prototypes: ClassPrototypes | None = None
+        """What the next round sends (``None`` before the first aggregation)."""
+
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
+        """Config and, after round 1, the global prototypes (one record shared by all)."""
+        content = super().node_content(ctx, node_id, arch)
+        protos = self.global_prototypes
+        if protos is not None:
+            content[GLOBAL_PROTOTYPES] = ctx.share(
+                GLOBAL_PROTOTYPES, lambda: prototypes_to_record(protos)
+            )
+        return content
+
+    def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
+        """No weights; a valid ``class-prototypes`` record."""
+        check = functools.partial(
+            check_prototype_record,
+            num_classes=self.env.num_classes,
+            feature_dim=self.options.feature_dim,
+        )
+        return ReplySchema(arrays=None, extra=check)
+
+    def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
+        """Merge the prototypes robustly, make the next global ones, commit if finite."""
+        agg = self.env.run.aggregation
+        parts = [record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES]) for r in replies]
+        merge = merge_prototypes(
+            parts,
+            self.env.num_classes,
+            rule=agg.knowledge_merge,
+            trim_fraction=agg.trim_fraction,
+            clip_factor=agg.knowledge_clip_factor,
+            max_weights=[r.weight for r in replies],
+        )
+        for i, norm, bound in merge.clips:
+            log.info(
+                "round %d: node %d's prototypes clipped from norm %.4g to %.4g "
+                "(knowledge-clip-factor %g)",
+                ctx.server_round,
+                replies[i].node_id,
+                norm,
+                bound,
+                agg.knowledge_clip_factor,
+            )
+        protos, metrics = self.make_global(ctx, merge)
+        if not np.all(np.isfinite(protos.prototypes)):
+            raise NonFiniteStateError("the global prototypes are not finite")
+        self.commit_global(ctx, protos)
+        accuracies = [r.metrics[PROTO_ACCURACY] for r in replies if PROTO_ACCURACY in r.metrics]
+        return {
+            **metrics,
+            "prototype_classes": int(protos.class_ids.shape[0]),
+            "prototypes_clipped": [
+                {"node": replies[i].node_id, "norm": norm, "bound": bound}
+                for i, norm, bound in merge.clips
+            ],
+            "proto_accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
+        }
+
+    def make_global(
+        self, ctx: RoundContext, merge: PrototypeMerge
+    ) -> tuple[ClassPrototypes, dict[str, Any]]:
+        """Return the next global prototypes and round metrics; change no state.
+
+        Default (FedProto): the merged prototypes. :meth:`commit_global` keeps them
+        once they are known to be finite.
+        """
+        return merge.merged, {}
+
+    def commit_global(self, ctx: RoundContext, protos: ClassPrototypes) -> None:
+        """Keep ``protos`` as what the next round sends (subclasses commit more)."""
+        self.global_prototypes = protos
+
+    def describe(self) -> dict[str, Any]:
+        """Return the options (kebab-case keys)."""
+        return {k.replace("_", "-"): v for k, v in asdict(self.options).items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the base state and the global prototypes."""
+        protos = self.global_prototypes
+        return {
+            **super().state_dict(),
+            "global_prototypes": None
+            if protos is None
+            else {
+                CLASS_IDS: protos.class_ids,
+                COUNTS: protos.counts,
+                PROTOTYPES: protos.prototypes,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the base part, then the scheme's, all checked first.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix, if an entry fails
+            its check.
+        """
+        super().load_state_dict(state)
+        self.checked_scheme_state(state)()
+
+    def checked_scheme_state(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        """Check the scheme's checkpoint entries; return what assigns them.
+
+        The entry ``global_prototypes`` is ``None`` or a valid prototype record
+        (:func:`~strategies.prototypes.payload.prototype_problem`). Subclasses
+        extend it (``super().checked_scheme_state(state)`` first).
+        """
+        protos = prototypes_from_state(
+            state,
+            "global_prototypes",
+            num_classes=self.env.num_classes,
+            feature_dim=self.options.feature_dim,
+        )
+
+        def restore() -> None:
+            self.global_prototypes = protos
+
+        return restore
+
+
+def prototypes_from_state(
+    state: Mapping[str, Any], key: str, *, num_classes: int, feature_dim: int
+) -> ClassPrototypes | None:
+    """Return checkpoint entry ``key`` as prototypes (``None`` if it is ``None``), checked.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the checkpoint file, the field and the fix.
+    """
+    from tessera.checkpoint import field_of, refusal
+    from tessera.state_checks import StateFileError, get_mapping
+
+    if state.get(key) is None:
+        return None
+    where = f"{field_of(state)}.{key}" if field_of(state) else key
+    try:
+        tree = get_mapping(state, key)
+        arrays = dict(tree.items())
+        odd = sorted(k for k, v in arrays.items() if not isinstance(v, np.ndarray))
+        problem = (
+            f"holds {odd}, which are not arrays"
+            if odd
+            else prototype_problem(arrays, num_classes=num_classes, feature_dim=feature_dim)
+        )
+        if problem is not None:
+            raise StateFileError(where, problem)
+    except StateFileError as err:
+        raise refusal(state, err) from err
+    return ClassPrototypes(arrays[CLASS_IDS], arrays[COUNTS], arrays[PROTOTYPES])
