@@ -17,15 +17,57 @@ free_port() {
 # pgrep/pkill read a pattern as a regular expression: escape the folder's name
 # (a run name such as 'ensemble[learning-rate=0.05]--iid' holds brackets).
 stop_local_superlink() {
-    local home pids pid
+    local home roots tree pid child alive
     home="$(printf '%s' "$1" | sed 's/[][\\.*^$+?(){}|]/\\&/g')"
-    pids="$(pgrep -f "flower-superlink.*${home}" || true)"
-    for pid in $pids; do
-        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    roots="$(pgrep -f "flower-superlink.*${home}" || true)"
+    # Collect the whole tree before anything dies (a dying parent's children are
+    # re-parented and lost): the SuperLink, what it launched (flwr-simulation and
+    # flwr-serverapp name it with --parent-pid, possibly in sessions of their own)
+    # and their descendants (Ray's GCS, raylet and workers).
+    tree=""
+    for pid in $roots; do
+        tree="$tree $pid $(process_tree "$pid")"
+        for child in $(pgrep -f -- "--parent-pid $pid( |$)" || true); do
+            tree="$tree $child $(process_tree "$child")"
+        done
     done
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-        pgrep -f "$home" >/dev/null || break
-        sleep 0.5
+    for pid in $roots; do
+        kill -TERM -- "-$pid" 2>/dev/null || true
     done
-    pkill -KILL -f "$home" 2>/dev/null || true
+    for pid in $tree; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    # A graceful exit gets 5 s (a loaded machine included); then whatever is left of
+    # the tree, and anything still naming the folder, is killed.
+    for _ in $(seq 1 20); do
+        alive=""
+        for pid in $tree; do
+            if kill -0 "$pid" 2>/dev/null; then alive="$alive $pid"; fi
+        done
+        [ -z "$alive" ] && [ -z "$(naming "$home")" ] && break
+        sleep 0.25
+    done
+    for pid in $tree; do
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+    for pid in $(naming "$home"); do
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+}
+
+# Print the processes whose command line matches $1, this shell and its parent aside.
+naming() {
+    local pid
+    for pid in $(pgrep -f "$1" || true); do
+        [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] || [ "$pid" = "$PPID" ] || echo "$pid"
+    done
+}
+
+# Print the descendants of process $1 (children first, then theirs), one per line.
+process_tree() {
+    local child
+    for child in $(pgrep -P "$1" || true); do
+        echo "$child"
+        process_tree "$child"
+    done
 }

@@ -119,3 +119,93 @@ def test_ray_that_never_starts_fails_the_script_with_the_reason(tmp_path: Path) 
     assert proc.returncode == 1
     assert "Ray failed to start in 4 attempts; no round ran" in proc.stderr
     assert "Ray failed to start (attempt 3 of 4)" in proc.stderr
+
+
+# A stand-in for the local SuperLink's tree: the SuperLink (its command line names
+# its Flower home), a flwr-simulation it launched in a session of its own (named by
+# --parent-pid, as Flower's exec plugin names it) that ignores SIGTERM as a hung
+# graceful shutdown does, that one's child (Ray's), and a plain child.
+FAKE_TREE = """
+import os, signal, subprocess, sys, time
+
+def stubborn(*extra):
+    return subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "time.sleep(300)", *extra],
+        start_new_session=True,
+    )
+
+if sys.argv[1] == "flower-superlink":
+    sim = subprocess.Popen(
+        [sys.executable, __file__, "flwr-simulation", "--parent-pid", str(os.getpid())],
+        start_new_session=True,
+    )
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(sim.pid, plain.pid, flush=True)
+    time.sleep(300)
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ray = stubborn("raylet")
+    print(ray.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def test_stopping_the_local_superlink_ends_its_whole_tree_on_a_loaded_machine(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    # Prepare: load both cores, then start the stand-in tree
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    script = tmp_path / "tree.py"
+    script.write_text(FAKE_TREE)
+    home = tmp_path / "flwr home [x]"  # a folder name with regex characters
+    home.mkdir()
+    try:
+        superlink = subprocess.Popen(
+            [sys.executable, str(script), "flower-superlink", "--home", str(home)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert superlink.stdout is not None
+        sim_pid, plain_pid = (int(p) for p in superlink.stdout.readline().split())
+        deadline = time.monotonic() + 30
+        ray_pid = None
+        while ray_pid is None and time.monotonic() < deadline:
+            children = subprocess.run(
+                ["pgrep", "-P", str(sim_pid)], capture_output=True, text=True
+            ).stdout.split()
+            ray_pid = int(children[0]) if children else None
+            time.sleep(0.1)
+        assert ray_pid is not None, "the stand-in flwr-simulation started no child"
+        tree = [superlink.pid, sim_pid, plain_pid, ray_pid]
+
+        # Execute
+        subprocess.run(
+            ["bash", "-c", 'source scripts/flower-env.sh && stop_local_superlink "$STOP_HOME"'],
+            cwd=ROOT,
+            env={**os.environ, "STOP_HOME": str(home)},
+            check=True,
+            timeout=60,
+        )
+        superlink.wait(timeout=10)
+
+        # Assert: every process of the tree has ended, by process id
+        time.sleep(0.5)
+        assert [pid for pid in tree if not _gone(pid)] == []
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
