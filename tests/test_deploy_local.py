@@ -405,3 +405,24 @@ def test_the_ensemble_trains_family_groups_and_exports_in_native_deployment(
     summary = json.loads((result / "summary.json").read_text())
     assert Path(summary["end_of_run"]["ensemble_artifact"]).is_file()
     assert _processes_of(tmp_path) == []
+
+
+def test_fedtgp_trains_its_global_prototypes_in_native_deployment(tmp_path: Path) -> None:
+    # Execute: FedTGP over gRPC; the three device profiles pick different CNN sizes
+    extra = "strategy='fedtgp' local-epochs=1 train-time-budget=0.008 model-family='cnn'"
+    cmd = _command(tmp_path, _run_config(tmp_path, extra))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+
+    # Assert: both rounds ran over gRPC with every node, only prototypes travelled,
+    # the server trained its prototypes each round and sent them in round 2
+    assert proc.returncode == 0, _output(proc, proc.stdout + proc.stderr)
+    rounds = _rounds(tmp_path / "results" / "e2e")
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert len({c["arch"] for r in rounds for c in r["clients"]}) >= 2
+    for r in rounds:
+        assert not r["skipped"] and r["num_ok"] == 3 and r["num_rejected"] == 0, r
+        assert r["prototype_classes"] == 10 and r["fedtgp_steps"] > 0
+        assert all(c["bytes_up"] < 16_384 for c in r["clients"])
+    assert rounds[0]["proto_accuracy_mean"] is None
+    assert rounds[1]["proto_accuracy_mean"] is not None
+    assert _processes_of(tmp_path) == []

@@ -241,3 +241,30 @@ def test_ensemble_with_a_mixed_family_fleet_in_real_simulation(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr[-2000:]
     accuracy = float(proc.stdout.split("accuracy ")[1].split()[0])
     assert accuracy == pytest.approx(rounds[-1]["ensemble_accuracy"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_fedtgp_trains_its_global_prototypes_in_real_simulation(tmp_path: Path) -> None:
+    # Prepare: three devices choosing three CNN sizes (as in tests/test_prototypes.py)
+    run_config = (
+        "strategy='fedtgp' num-server-rounds=2 local-epochs=1 train-time-budget=0.008 "
+        "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
+    )
+
+    # Execute
+    rounds = [
+        json.loads(line)
+        for line in (simulate(tmp_path, run_config) / "metrics.jsonl").read_text().splitlines()
+    ]
+
+    # Assert: both rounds ran with every node, prototypes only (no weights), the server
+    # trained its prototypes each round, the personal models are above chance (0.1)
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert len({c["arch"] for r in rounds for c in r["clients"]}) >= 2
+    for r in rounds:
+        assert not r["skipped"] and r["num_ok"] == 3 and r["num_rejected"] == 0, r
+        assert r["prototype_classes"] == 10 and r["global_accuracy"] is None
+        assert r["fedtgp_steps"] > 0 and 0 < r["fedtgp_margin"] <= 100.0
+        assert all(c["bytes_up"] < 16_384 for c in r["clients"])
+    assert rounds[-1]["personal_accuracy_mean"] > 0.2
+    assert rounds[-1]["proto_accuracy_mean"] is not None

@@ -15,7 +15,7 @@ validation):
   ``attack-lambda``): it also trains a copy of ``w0`` on randomly shuffled labels,
   giving ``w_s``, and sends ``w + lambda (w_s - w0)``;
 - ``boost``: sends ``w0 + s u`` with ``s`` = ``attack-scale``, and scales every
-  other floating payload (features, logits, representations) by ``s``;
+  other floating payload (features, logits, representations, prototypes) by ``s``;
 - ``sign-flip``: sends ``w0 - s u`` and negates (and scales) the payloads;
 - ``noise``: adds Gaussian noise of standard deviation ``attack-noise`` to the
   weights and payloads;
@@ -46,15 +46,16 @@ minus the same entries of the weights the node was sent, or minus zero where the
 server sent none), counts as honest the nodes the run's draw does not make hostile
 whose entries have the same names and shapes as the attacker's (its architecture or
 slice), forges the update and builds the reply as the handler builds it (same
-records and metrics, ``Message(content, reply_to=instruction)``). Every other
-floating payload record (Felo's per-class features and logits, FedHeNN's
-representations) is forged with the same maths over the honest nodes' record of
-the same name when its floating arrays have the same shapes and its ``class-ids``
-(if any) are equal, with zero as reference; otherwise the payload is left as the
-node computed it, as the harness leaves it for the attacks that change weights
-only. A real simulation or deployment cannot run the omniscient-only attacks: the
-ServerApp refuses them (:func:`tessera.attacks.require_client_side`), and their
-:class:`AttackClient` alone sends honest replies.
+records and metrics, ``Message(content, reply_to=instruction)``). Every other floating
+payload record (Felo's per-class features and logits, FedProto's and FedTGP's
+per-class prototypes, FedHeNN's representations) is forged with the same maths over
+the honest nodes' record of the same name when its floating arrays have the same
+shapes and its ``class-ids`` (if any) are equal, with zero as reference; otherwise the
+payload is left as the node computed it, as the harness leaves it for the attacks
+that change weights only. A real simulation or deployment cannot run the
+omniscient-only attacks: the ServerApp refuses them
+(:func:`tessera.attacks.require_client_side`), and their :class:`AttackClient` alone
+sends honest replies.
 
 The honest parts of the reply (example counts, metrics) are left as they are but
 for ``inflate``: the validation of claimed sizes is tested separately

@@ -37,8 +37,9 @@ log = logging.getLogger("flwr.tessera")
 FORGED_IN_GRID = (*OMNISCIENT_ATTACKS, "bound-riding")
 """Attacks :func:`install_omniscient` forges in the in-process grid."""
 ROW_KEYS = ("class-ids",)
-"""Payload arrays that say what each row means (Felo's class ids): two nodes' payloads
-are forged together only where these are equal."""
+"""Payload arrays that say what each row means (the class ids of Felo's knowledge and of
+FedProto's and FedTGP's prototypes): two nodes' payloads are forged together only
+where these are equal."""
 
 
 def _payload_peers(
