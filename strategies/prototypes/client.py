@@ -1,4 +1,10 @@
-"""The client FedProto and FedTGP share: a personal model pulled towards the global prototypes.
+"""The family's clients: personal projected models, pulled towards prototypes or given a head.
+
+:class:`ProjectedClient` is what every scheme of the family shares: a personal
+model (kept in the node's state, as ``local`` does) projected to ``feature-dim``.
+:class:`GlobalHeadClient` (FedGH, LG-FedAvg) replaces that model's head by the
+server's global head before training. :class:`PrototypeClient` (FedProto, FedTGP)
+trains towards the global prototypes, as follows.
 
 Objective per minibatch of ``N`` samples (FedProto's, as its official code and
 HtFLlib compute it)::
@@ -15,16 +21,23 @@ its model in the node's state (as ``local`` does).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
-from flwr.app import MetricRecord
+from flwr.app import MetricRecord, RecordDict
 from flwr.common.typing import MetricRecordValues
 from torch import nn
 
 from models.base import TesseraModel
 from models.spec import ModelRef
 from strategies.core.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
-from strategies.prototypes.options import PrototypeOptionsT, build_prototype_model
+from strategies.prototypes.head import load_global_head
+from strategies.prototypes.options import (
+    FeatureOptionsT,
+    PrototypeOptionsT,
+    build_prototype_model,
+)
 from strategies.prototypes.payload import (
     CLASS_PROTOTYPES,
     GLOBAL_PROTOTYPES,
@@ -41,7 +54,15 @@ from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
 from tessera.training import LossFn
 
-__all__ = ["PrototypeClient", "PrototypeTable", "nearest_prototype_accuracy", "prototype_loss"]
+__all__ = [
+    "GlobalHeadClient",
+    "ProjectedClient",
+    "PrototypeClient",
+    "PrototypeTable",
+    "nearest_prototype_accuracy",
+    "prototype_loss",
+    "with_prototypes",
+]
 
 PrototypeTable = tuple[torch.Tensor, torch.Tensor]
 """``(known, prototypes)``: bool ``(C,)`` and ``(C, feature_dim)``, indexed by class."""
@@ -80,21 +101,30 @@ def nearest_prototype_accuracy(
     return float((distances.argmin(dim=1) == y).double().mean().item())
 
 
-class PrototypeClient(ClientAlgorithm[PrototypeOptionsT]):
-    """Client of ``fedproto`` and ``fedtgp`` (module docstring).
+def with_prototypes(
+    records: dict[str, Record], model: nn.Module, outcome: RoundOutcome
+) -> dict[str, Record]:
+    """Return ``records`` with record ``class-prototypes``: the trained model's per-class means.
 
-    Its reply also carries metric ``proto-accuracy``: the nearest-prototype accuracy
-    of its trained model on its own test split against the global prototypes it
-    received (FedProto's inference rule); the round record's personal accuracy stays
-    the model's own head, as for every scheme.
+    The mean features (eval mode) of the round's training data per class, with
+    their counts (:func:`~strategies.prototypes.payload.collect_prototypes`): what
+    FedProto, FedTGP and FedGH nodes send.
+    """
+    assert isinstance(model, TesseraModel)
+    records[CLASS_PROTOTYPES] = prototypes_to_record(collect_prototypes(model, outcome.train))
+    return records
+
+
+class ProjectedClient(ClientAlgorithm[FeatureOptionsT]):
+    """A node of the family: a personal zoo model projected to ``feature-dim``, no weights sent.
+
+    Subclasses add what their scheme exchanges.
     """
 
-    def __init__(self, *, run: RunConfig, options: PrototypeOptionsT) -> None:
+    def __init__(self, *, run: RunConfig, options: FeatureOptionsT) -> None:
         super().__init__(run=run, options=options)
         self.sends_weights = False
         self.keeps_personal_model = True
-        self.table: PrototypeTable | None = None
-        self.test: ArrayDataset | None = None
 
     def build_model(
         self, ref: ModelRef, *, input_shape: tuple[int, ...], num_classes: int
@@ -108,6 +138,48 @@ class PrototypeClient(ClientAlgorithm[PrototypeOptionsT]):
             flat_input=self.run.scheme.flat_input,
             feature_dim=self.options.feature_dim,
         )
+
+
+class GlobalHeadClient(ProjectedClient[FeatureOptionsT]):
+    """A node of FedGH or LG-FedAvg: its personal model with the server's head put in.
+
+    The server sends its global head as the weights record, holding
+    :data:`~strategies.prototypes.head.HEAD_KEYS` only; the node loads its personal
+    model (the body it keeps) and replaces that model's head by the global one
+    before training (:meth:`load_weights`, so a wrapper that remembers the starting
+    weights, an attack, sees the head the node started from).
+    """
+
+    def load_weights(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> str:
+        """Load the personal model, then the server's head over its own.
+
+        Raises
+        ------
+        ConfigError
+            If the server's head is not exactly a finite head of this model.
+        """
+        assert isinstance(model, TesseraModel)
+        content = RecordDict({k: v for k, v in rnd.content.items() if k != wire.ARRAYS})
+        source = super().load_weights(model, dataclasses.replace(rnd, content=content), state)
+        head = rnd.content.array_records.get(wire.ARRAYS)
+        if head is not None:
+            load_global_head(model, head)
+        return source
+
+
+class PrototypeClient(ProjectedClient[PrototypeOptionsT]):
+    """Client of ``fedproto`` and ``fedtgp`` (module docstring).
+
+    Its reply also carries metric ``proto-accuracy``: the nearest-prototype accuracy
+    of its trained model on its own test split against the global prototypes it
+    received (FedProto's inference rule); the round record's personal accuracy stays
+    the model's own head, as for every scheme.
+    """
+
+    def __init__(self, *, run: RunConfig, options: PrototypeOptionsT) -> None:
+        super().__init__(run=run, options=options)
+        self.table: PrototypeTable | None = None
+        self.test: ArrayDataset | None = None
 
     def prepare_data(
         self, train: ArrayDataset, test: ArrayDataset
@@ -158,8 +230,7 @@ class PrototypeClient(ClientAlgorithm[PrototypeOptionsT]):
     ) -> dict[str, Record]:
         """Return the base records, the prototypes and (with global ones) ``proto-accuracy``."""
         assert isinstance(model, TesseraModel)
-        records = super().finish_round(model, rnd, outcome, state)
-        records[CLASS_PROTOTYPES] = prototypes_to_record(collect_prototypes(model, outcome.train))
+        records = with_prototypes(super().finish_round(model, rnd, outcome, state), model, outcome)
         sent = records[wire.METRICS]
         if (
             self.table is not None

@@ -112,15 +112,14 @@ class FedTGPStrategy(PrototypeStrategy[FedTGPOptions]):
         are known to be finite.
         """
         started = time.perf_counter()
-        rows = torch.from_numpy(np.concatenate([p.prototypes for p in merge.bounded]))
-        labels = torch.from_numpy(np.concatenate([p.class_ids for p in merge.bounded]))
+        rows, labels = merge.training_set()
         margin = adaptive_margin(torch.from_numpy(merge.merged.prototypes), self.options.margin_max)
         network = copy.deepcopy(self.network)
         run = self.env.run
         result = train_prototypes(
             network,
-            rows.float(),
-            labels.long(),
+            rows,
+            labels,
             margin=margin,
             epochs=self.options.server_epochs,
             batch_size=run.training.batch_size,

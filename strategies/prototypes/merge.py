@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from strategies.felo.knowledge import (
     ClassKnowledge,
@@ -50,6 +51,16 @@ class PrototypeMerge:
     merged: ClassPrototypes
     bounded: list[ClassPrototypes]
     clips: list[tuple[int, float, float]]
+
+    def training_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every bounded client prototype as one sample of its class: float32 rows, int64 labels.
+
+        What the server trains on (FedTGP's prototype network, FedGH's head), each
+        client's row of a class counting once, whatever its count.
+        """
+        rows = np.concatenate([p.prototypes for p in self.bounded]).astype(np.float32)
+        labels = np.concatenate([p.class_ids for p in self.bounded]).astype(np.int64)
+        return torch.from_numpy(rows), torch.from_numpy(labels)
 
 
 def _as_knowledge(protos: ClassPrototypes, num_classes: int) -> ClassKnowledge:

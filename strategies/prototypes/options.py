@@ -1,9 +1,10 @@
-"""What FedProto and FedTGP share in their options, and the model they train.
+"""What the family's schemes share in their options, and the model they train.
 
-Both read ``feature-dim`` (the common feature space, shared with Felo and Velo) and
-``proto-lambda`` (the weight of the prototype term in the client's objective);
-:class:`PrototypeOptions` holds them, and each scheme's options class derives from
-it (:class:`~strategies.prototypes.fedproto.FedProtoOptions`,
+Every scheme reads ``feature-dim`` (the common feature space, shared with Felo and
+Velo): :class:`FeatureOptions` holds it, and FedGH's and LG-FedAvg's options derive
+from it. FedProto and FedTGP also read ``proto-lambda`` (the weight of the
+prototype term in the client's objective): :class:`PrototypeOptions`
+(:class:`~strategies.prototypes.fedproto.FedProtoOptions`,
 :class:`~strategies.prototypes.fedtgp.FedTGPOptions`).
 """
 
@@ -18,27 +19,34 @@ from models.projection import ProjectedModel
 from models.spec import ModelRef
 from tessera.config import ConfigError, ConfigReader, FlatInput
 
-__all__ = ["Key", "PrototypeOptions", "PrototypeOptionsT", "build_prototype_model", "read_keys"]
+__all__ = [
+    "FeatureOptions",
+    "FeatureOptionsT",
+    "Key",
+    "PrototypeOptions",
+    "PrototypeOptionsT",
+    "build_prototype_model",
+    "read_keys",
+]
 
+FeatureOptionsT = TypeVar("FeatureOptionsT", bound="FeatureOptions")
+"""The options type of one scheme of the family (a :class:`FeatureOptions`)."""
 PrototypeOptionsT = TypeVar("PrototypeOptionsT", bound="PrototypeOptions")
 """The options type of one prototype scheme (a :class:`PrototypeOptions`)."""
 
 
 @dataclass(frozen=True)
-class PrototypeOptions:
-    """Options every prototype scheme reads from the run config.
+class FeatureOptions:
+    """Options every scheme of the family reads from the run config.
 
     Attributes
     ----------
     feature_dim : int
-        Size of the common feature space the prototypes live in (``feature-dim``).
-    proto_lambda : float
-        Weight of the prototype term ``lambda * MSE(f(x), p[y])`` in the client's
-        objective (``proto-lambda``; HtFLlib's default 1.0).
+        Size of the common feature space the prototypes (and the head's input) live
+        in (``feature-dim``).
     """
 
     feature_dim: int = 128
-    proto_lambda: float = 1.0
 
     @classmethod
     def read(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,22 +59,43 @@ class PrototypeOptions:
         """
         return read_keys(
             run_config,
-            {
-                "feature_dim": Key("feature-dim", int, 128, 1, "use a positive size, e.g. 128"),
-                "proto_lambda": Key("proto-lambda", float, 1.0, 0, "use a weight >= 0, e.g. 1"),
-            },
+            {"feature_dim": Key("feature-dim", int, 128, 1, "use a positive size, e.g. 128")},
         )
 
 
 @dataclass(frozen=True)
+class PrototypeOptions(FeatureOptions):
+    """Options FedProto and FedTGP read: ``feature-dim`` and ``proto-lambda``.
+
+    Attributes
+    ----------
+    proto_lambda : float
+        Weight of the prototype term ``lambda * MSE(f(x), p[y])`` in the client's
+        objective (``proto-lambda``; HtFLlib's default 1.0).
+    """
+
+    proto_lambda: float = 1.0
+
+    @classmethod
+    def read(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Read ``feature-dim`` and ``proto-lambda`` (a :class:`ConfigError` names a bad one)."""
+        own = {"proto_lambda": Key("proto-lambda", float, 1.0, 0, "use a weight >= 0, e.g. 1")}
+        return {**super().read(run_config), **read_keys(run_config, own)}
+
+
+@dataclass(frozen=True)
 class Key:
-    """A run-config key of a prototype scheme: its type, default and smallest value."""
+    """A run-config key of a scheme of the family: its type, default and smallest value.
+
+    ``low`` itself is allowed unless ``above`` (a learning rate must be above 0).
+    """
 
     name: str
     kind: type[int] | type[float]
     default: float
     low: float
     fix: str
+    above: bool = False
 
 
 def read_keys(run_config: Mapping[str, Any], keys: Mapping[str, Key]) -> dict[str, Any]:
@@ -86,7 +115,7 @@ def read_keys(run_config: Mapping[str, Any], keys: Mapping[str, Key]) -> dict[st
     values: dict[str, Any] = {}
     for field, key in keys.items():
         value = reader.get(key.name, key.kind, key.kind(key.default))
-        if value < key.low:
+        if value < key.low or (key.above and value == key.low):
             raise ConfigError(f"run-config key '{key.name}' has invalid value {value!r}: {key.fix}")
         values[field] = value
     return values

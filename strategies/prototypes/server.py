@@ -1,4 +1,11 @@
-"""The server FedProto and FedTGP share: prototypes in, global prototypes out, no weights.
+"""The family's servers: prototypes in and global prototypes out, or a global head out.
+
+:class:`PrototypeStrategy` is the server FedProto and FedTGP share (below);
+:class:`GlobalHeadStrategy` the one FedGH and LG-FedAvg share: it sends a global
+head every round, which its subclass makes (FedGH trains it on the prototypes
+merged here by :func:`merge_replies`, LG-FedAvg averages the nodes' heads).
+
+FedProto and FedTGP: no weights.
 
 Each round it sends the current global prototypes (none in round 1), demands a
 valid ``class-prototypes`` record in every reply
@@ -23,12 +30,13 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.core.context import RoundContext
+from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.groups import NonFiniteStateError
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
+from strategies.prototypes.head import initial_head
 from strategies.prototypes.merge import PrototypeMerge, merge_prototypes
-from strategies.prototypes.options import PrototypeOptionsT
+from strategies.prototypes.options import FeatureOptionsT, PrototypeOptionsT
 from strategies.prototypes.payload import (
     CLASS_IDS,
     CLASS_PROTOTYPES,
@@ -42,10 +50,18 @@ from strategies.prototypes.payload import (
     prototypes_to_record,
     record_to_prototypes,
 )
+from tessera import wire
 
 log = logging.getLogger("flwr.tessera")
 
-__all__ = ["PrototypeStrategy", "prototypes_from_state"]
+__all__ = [
+    "GlobalHeadStrategy",
+    "PrototypeStrategy",
+    "merge_replies",
+    "options_document",
+    "prototype_schema",
+    "prototypes_from_state",
+]
 
 
 class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
@@ -68,35 +84,11 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
         """No weights; a valid ``class-prototypes`` record."""
-        check = functools.partial(
-            check_prototype_record,
-            num_classes=self.env.num_classes,
-            feature_dim=self.options.feature_dim,
-        )
-        return ReplySchema(arrays=None, extra=check)
+        return prototype_schema(self.env.num_classes, self.options.feature_dim)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Merge the prototypes robustly, make the next global ones, commit if finite."""
-        agg = self.env.run.aggregation
-        parts = [record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES]) for r in replies]
-        merge = merge_prototypes(
-            parts,
-            self.env.num_classes,
-            rule=agg.knowledge_merge,
-            trim_fraction=agg.trim_fraction,
-            clip_factor=agg.knowledge_clip_factor,
-            max_weights=[r.weight for r in replies],
-        )
-        for i, norm, bound in merge.clips:
-            log.info(
-                "round %d: node %d's prototypes clipped from norm %.4g to %.4g "
-                "(knowledge-clip-factor %g)",
-                ctx.server_round,
-                replies[i].node_id,
-                norm,
-                bound,
-                agg.knowledge_clip_factor,
-            )
+        merge, clipped = merge_replies(ctx, replies, self.env)
         protos, metrics = self.make_global(ctx, merge)
         if not np.all(np.isfinite(protos.prototypes)):
             raise NonFiniteStateError("the global prototypes are not finite")
@@ -105,10 +97,7 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
         return {
             **metrics,
             "prototype_classes": int(protos.class_ids.shape[0]),
-            "prototypes_clipped": [
-                {"node": replies[i].node_id, "norm": norm, "bound": bound}
-                for i, norm, bound in merge.clips
-            ],
+            "prototypes_clipped": clipped,
             "proto_accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
         }
 
@@ -128,7 +117,7 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
 
     def describe(self) -> dict[str, Any]:
         """Return the options (kebab-case keys)."""
-        return {k.replace("_", "-"): v for k, v in asdict(self.options).items()}
+        return options_document(self.options)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the base state and the global prototypes."""
@@ -206,3 +195,90 @@ def prototypes_from_state(
     except StateFileError as err:
         raise refusal(state, err) from err
     return ClassPrototypes(arrays[CLASS_IDS], arrays[COUNTS], arrays[PROTOTYPES])
+
+
+def options_document(options: Any) -> dict[str, Any]:
+    """Return a scheme's options (a dataclass) with kebab-case keys, for ``config.json``."""
+    return {k.replace("_", "-"): v for k, v in asdict(options).items()}
+
+
+def prototype_schema(num_classes: int, feature_dim: int) -> ReplySchema:
+    """Return the reply schema of a node that sends prototypes: no weights, a valid record."""
+    check = functools.partial(
+        check_prototype_record, num_classes=num_classes, feature_dim=feature_dim
+    )
+    return ReplySchema(arrays=None, extra=check)
+
+
+def merge_replies(
+    ctx: RoundContext, replies: Sequence[ClientReply], env: ServerEnv
+) -> tuple[PrototypeMerge, list[dict[str, Any]]]:
+    """Merge the accepted replies' prototypes robustly; log and list the clipped nodes.
+
+    Run-config ``knowledge-merge``, ``trim-fraction`` and ``knowledge-clip-factor``
+    choose the merge and the row bound; each reply's counts are capped at its
+    (capped) weight (:func:`~strategies.prototypes.merge.merge_prototypes`).
+
+    Returns
+    -------
+    tuple[PrototypeMerge, list[dict[str, Any]]]
+        The merge, and per clipped reply its node, largest row norm and bound (for
+        the round record's ``prototypes_clipped``).
+    """
+    agg = env.run.aggregation
+    parts = [record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES]) for r in replies]
+    merge = merge_prototypes(
+        parts,
+        env.num_classes,
+        rule=agg.knowledge_merge,
+        trim_fraction=agg.trim_fraction,
+        clip_factor=agg.knowledge_clip_factor,
+        max_weights=[r.weight for r in replies],
+    )
+    for i, norm, bound in merge.clips:
+        log.info(
+            "round %d: node %d's prototypes clipped from norm %.4g to %.4g "
+            "(knowledge-clip-factor %g)",
+            ctx.server_round,
+            replies[i].node_id,
+            norm,
+            bound,
+            agg.knowledge_clip_factor,
+        )
+    clipped = [
+        {"node": replies[i].node_id, "norm": norm, "bound": bound} for i, norm, bound in merge.clips
+    ]
+    return merge, clipped
+
+
+class GlobalHeadStrategy(HeteroStrategy[FeatureOptionsT]):
+    """Server of a scheme that sends one global head (FedGH, LG-FedAvg).
+
+    Every round it sends :meth:`global_head` to every trainer as the weights record
+    (one record shared by all messages); subclasses say how the head is made.
+    There is no global model to evaluate: the bodies stay at the nodes.
+    """
+
+    def initial_head(self) -> dict[str, np.ndarray]:
+        """Return the head before any round (seeded by run-config ``seed``)."""
+        return initial_head(
+            num_classes=self.env.num_classes,
+            feature_dim=self.options.feature_dim,
+            seed=self.env.run.seed,
+        )
+
+    def global_head(self) -> Mapping[str, np.ndarray]:
+        """Return the head the next round sends."""
+        raise NotImplementedError
+
+    def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
+        """Config and the global head (:data:`~strategies.prototypes.head.HEAD_KEYS` only)."""
+        content = super().node_content(ctx, node_id, arch)
+        content[wire.ARRAYS] = ctx.share(
+            wire.ARRAYS, lambda: wire.numpy_to_record(self.global_head())
+        )
+        return content
+
+    def describe(self) -> dict[str, Any]:
+        """Return the options (kebab-case keys)."""
+        return options_document(self.options)

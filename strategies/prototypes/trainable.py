@@ -16,11 +16,13 @@ Contrastive Learning for Data and Model Heterogeneity in Federated Learning" (AA
   with ``d_c = ||P - G_c||``: cross-entropy on the negative distances to every
   global prototype ``G``, the own class's distance enlarged by the margin;
 - :func:`train_prototypes`: minibatch SGD on that loss over the round's client
-  prototypes for a number of epochs.
+  prototypes for a number of epochs (:func:`sgd_epochs`, which FedGH's server
+  training of its global head uses too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,7 @@ __all__ = [
     "adaptive_margin",
     "margin_contrastive_loss",
     "pairwise_distances",
+    "sgd_epochs",
     "train_prototypes",
 ]
 
@@ -130,19 +133,47 @@ def train_prototypes(
     """Train ``model`` on the client prototypes with :func:`margin_contrastive_loss`.
 
     Plain SGD (the paper's server optimiser, at the clients' learning rate), each
-    epoch one pass over the prototypes in shuffled minibatches of ``batch_size``.
+    epoch one pass over the prototypes in shuffled minibatches of ``batch_size``
+    (:func:`sgd_epochs`).
+    """
+    return sgd_epochs(
+        model,
+        prototypes,
+        labels,
+        lambda rows, y: margin_contrastive_loss(rows, y, model.all_classes(), margin),
+        epochs=epochs,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        generator=generator,
+    )
+
+
+def sgd_epochs(
+    model: nn.Module,
+    rows: torch.Tensor,
+    labels: torch.Tensor,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    generator: torch.Generator,
+) -> TrainingResult:
+    """Train ``model``'s parameters with plain SGD on ``loss_of(rows[batch], labels[batch])``.
+
+    Each epoch is one pass over the rows in shuffled minibatches of ``batch_size``
+    (the order drawn from ``generator``): the server-side training of FedTGP's
+    prototype network and of FedGH's global head.
     """
     optimiser = torch.optim.SGD(model.parameters(), lr=learning_rate)
     model.train()
     steps, loss_sum, seen = 0, 0.0, 0
     for _ in range(epochs):
-        order = torch.randperm(prototypes.shape[0], generator=generator)
+        order = torch.randperm(rows.shape[0], generator=generator)
         loss_sum, seen = 0.0, 0
         for begin in range(0, order.numel(), batch_size):
             idx = order[begin : begin + batch_size]
-            loss = margin_contrastive_loss(
-                prototypes[idx], labels[idx], model.all_classes(), margin
-            )
+            loss = loss_of(rows[idx], labels[idx])
             optimiser.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             optimiser.step()

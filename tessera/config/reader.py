@@ -90,6 +90,7 @@ LIMITS: dict[str, Limit] = {
     "cvae-samples": Limit(100_000, "use 1 to 100000 samples per class"),
     "fedtgp-hidden-dim": Limit(65_536, "use a width of 1 to 65536"),
     "fedtgp-server-epochs": Limit(100_000, "use 1 to 100000 epochs"),
+    "fedgh-server-epochs": Limit(100_000, "use 1 to 100000 epochs"),
     # optimiser budgets
     "ensemble-trials": Limit(100_000, "use 1 to 100000 trials per search, e.g. 50"),
     "ensemble-gradient-steps": Limit(10_000_000, "use 1 to 10000000 steps, e.g. 500"),
