@@ -34,6 +34,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.attacks import with_attack
 from client_app.device import DeviceProfile, resolve_profile
+from client_app.personalise import with_personalisation
 from strategies.core.client import (
     STATE_MODEL,
     STATE_MODEL_META,
@@ -380,7 +381,7 @@ def train(msg: Message, context: Context) -> Message:
     """
     run, client = resolve(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
-    algorithm = with_attack(client, run, node)
+    algorithm = with_attack(with_personalisation(client, run), run, node)
     return train_round(msg, context, algorithm)
 
 

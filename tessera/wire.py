@@ -26,6 +26,9 @@ TEST_ACCURACY = "test-accuracy"
 TEST_LOSS = "test-loss"
 NUM_TEST_EXAMPLES = "num-test-examples"
 TRAIN_SECONDS = "train-seconds"
+SHARED_ACCURACY = "shared-accuracy"
+"""Optional train metric (run-config ``personalise`` ``finetune``/``ditto``): the sent
+model's accuracy on the node's test split, beside the personal one's ``test-accuracy``."""
 REQUIRED_TRAIN_METRICS = (
     NUM_EXAMPLES,
     TRAIN_LOSS,

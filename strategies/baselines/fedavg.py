@@ -130,5 +130,6 @@ SCHEME = register_scheme(
         parse_options=FedAvgOptions.parse,
         default_family="cnn",
         description="FedAvg on one shared architecture (weakest device's, or forced)",
+        personalise=True,
     )
 )

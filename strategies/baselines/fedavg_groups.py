@@ -77,5 +77,6 @@ SCHEME = register_scheme(
         parse_options=no_options,
         default_family="cnn",
         description="FedAvg within each architecture group, nothing shared across groups",
+        personalise=True,
     )
 )

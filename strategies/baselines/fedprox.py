@@ -96,5 +96,6 @@ SCHEME = register_scheme(
         parse_options=FedProxOptions.parse,
         default_family="cnn",
         description="FedProx (FedAvg + proximal term) on one shared architecture",
+        personalise=True,
     )
 )

@@ -65,6 +65,11 @@ def client_entry(
         "bytes_down": bytes_down,
         "train_seconds": metrics[wire.TRAIN_SECONDS],
         **({"model_rounds": int(metrics["model-rounds"])} if "model-rounds" in metrics else {}),
+        **(
+            {"shared_accuracy": metrics[wire.SHARED_ACCURACY]}
+            if wire.SHARED_ACCURACY in metrics
+            else {}
+        ),
     }
 
 
@@ -78,6 +83,7 @@ def round_record(
     evaluation: Mapping[str, Any],
     extra: Mapping[str, Any],
     skip_reason: str | None,
+    personalise: str = "none",
 ) -> dict[str, Any]:
     """Build the record of a finished round.
 
@@ -100,6 +106,10 @@ def round_record(
         What the scheme's ``aggregate`` returned, merged last.
     skip_reason : str | None
         Why the round was skipped, or ``None``.
+    personalise : str
+        Run-config ``personalise``: which model the clients' ``test_accuracy``
+        (``personal_accuracy_*``) measures; ``shared_accuracy_mean`` is the sent
+        model's where the mode reports it.
     """
     clients = [
         client_entry(rep, table, ctx.bytes_down.get(rep.node_id, 0), model_ref(rep.arch))
@@ -107,6 +117,7 @@ def round_record(
     ]
     tested = [c for c in clients if c["num_test_examples"] > 0]
     mean, std = mean_std([c["test_accuracy"] for c in tested])
+    shared = [c["shared_accuracy"] for c in tested if "shared_accuracy" in c]
     by_arch: dict[str, list[float]] = defaultdict(list)
     for c in tested:
         by_arch[c["arch"]].append(c["test_accuracy"])
@@ -132,6 +143,8 @@ def round_record(
         "personal_accuracy_mean": mean,
         "personal_accuracy_std": std,
         "personal_accuracy_by_arch": {a: float(np.mean(v)) for a, v in sorted(by_arch.items())},
+        "personalise": personalise,
+        "shared_accuracy_mean": mean_std(shared)[0] if shared else None,
         **evaluation,
         "bytes_up_total": sum(c["bytes_up"] for c in clients),
         "bytes_down_total": sum(ctx.bytes_down.values()),

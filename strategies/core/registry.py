@@ -18,7 +18,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from strategies.core.client import ClientAlgorithm
-from tessera.config import RunConfig
+from tessera.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from strategies.core.nodes import NodeInfo
@@ -91,6 +91,11 @@ class Scheme(Generic[OptionsT]):
         aggregator it cannot use).
     server_classes : tuple[type, ...]
         The classes a server *factory* may build (FedHeNN's two modes), named too.
+    personalise : bool
+        Whether run-config ``personalise`` applies: the scheme's nodes train the
+        whole model they receive and send it back (weight sharing). A scheme whose
+        nodes keep a personal model of their own already, or share a part of it,
+        refuses any mode but ``none``.
     """
 
     name: str
@@ -103,6 +108,7 @@ class Scheme(Generic[OptionsT]):
     norm: str = "batch"
     validate: Callable[[RunConfig, OptionsT], None] | None = None
     server_classes: tuple[type, ...] = ()
+    personalise: bool = False
 
     def family(self, options: OptionsT) -> str:
         """Return the architecture family when run-config ``model-family`` is empty."""
@@ -169,9 +175,38 @@ def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
     scheme: Scheme[Any] = get_scheme(strategy)
     run = RunConfig.from_flower(run_config, default_norm=scheme.norm)
     options = scheme.parse_options(run_config)
+    check_personalise(scheme, run, options)
     if scheme.validate is not None:
         scheme.validate(run, options)
     return ResolvedRun(run, scheme, options)
+
+
+def personalisable_schemes() -> list[str]:
+    """Return the registered schemes that accept run-config ``personalise``."""
+    return [name for name in list_schemes() if _SCHEMES[name].personalise]
+
+
+def check_personalise(scheme: Scheme[OptionsT], run: RunConfig, options: OptionsT) -> None:
+    """Refuse run-config ``personalise`` for a scheme whose nodes share no whole model.
+
+    Raises
+    ------
+    ConfigError
+        If ``personalise`` is not ``none`` and the scheme is not
+        :attr:`Scheme.personalise`, or its nodes send no weights with these options
+        (Felo without ``felo-share-weights``): the message names the schemes that
+        accept it.
+    """
+    mode = run.personalise.mode
+    if mode == "none":
+        return
+    if not scheme.personalise or not scheme.client(run=run, options=options).sends_weights:
+        raise ConfigError(
+            f"run-config 'personalise' is '{mode}' but '{scheme.name}' shares no whole "
+            "model with its nodes (they keep a personal model or share a part of it "
+            "already); set personalise='none', or use one of "
+            f"{', '.join(personalisable_schemes())}"
+        )
 
 
 def get_scheme(name: str) -> Scheme[Any]:

@@ -291,6 +291,7 @@ class HeteroStrategy(SchemeHooks[OptionsT]):
             evaluation=evaluation,
             extra=extra,
             skip_reason=skip_reason,
+            personalise=self.env.run.personalise.mode,
         )
         self.commit_record(ctx, record)
         if self.failed_streak >= self.env.run.deployment.max_failed_rounds:

@@ -139,6 +139,7 @@ def short_reason(reason: str, limit: int = 300) -> str:
 
 METRIC_RANGES: dict[str, tuple[float, float]] = {
     wire.TEST_ACCURACY: (0.0, 1.0),
+    wire.SHARED_ACCURACY: (0.0, 1.0),
     wire.TRAIN_LOSS: (0.0, math.inf),
     wire.TEST_LOSS: (0.0, math.inf),
     wire.TRAIN_SECONDS: (0.0, math.inf),

@@ -441,5 +441,6 @@ SCHEME = register_scheme(
         default_family="mixed",
         description="Heterogeneous ensemble: FedAvg per architecture group, then a "
         "per-model, per-class weighted ensemble tuned on the server",
+        personalise=True,
     )
 )

@@ -50,6 +50,7 @@ FELO = register_scheme(
         parse_options=FeloOptions.parse,
         default_family="cnn",
         description="Felo: per-class features and logits, FedAvg within architecture groups",
+        personalise=True,
     )
 )
 
@@ -62,6 +63,7 @@ VELO = register_scheme(
         parse_options=FeloOptions.parse,
         default_family="cnn",
         description="Velo: Felo with CVAE-generated per-class features on the server",
+        personalise=True,
     )
 )
 

@@ -360,5 +360,6 @@ SCHEME = register_scheme(
         norm="static-batch",
         validate=validate_fedfa,
         description="FedFA: width x depth slices, layer grafting, scalable aggregation",
+        personalise=True,
     )
 )

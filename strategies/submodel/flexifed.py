@@ -290,5 +290,6 @@ SCHEME = register_scheme(
         norm="static-batch",
         validate=validate_submodel,
         description="FlexiFed: depth slices, common prefix shared, the rest per cluster or node",
+        personalise=True,
     )
 )

@@ -78,5 +78,6 @@ SCHEME = register_scheme(
         validate=validate_submodel,
         description="HeteroFL: width slices of one global model, averaged by coverage "
         "(FedRolex's rolling window as an option)",
+        personalise=True,
     )
 )

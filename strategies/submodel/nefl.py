@@ -91,5 +91,6 @@ SCHEME = register_scheme(
         validate=validate_submodel,
         description="NeFL: width x depth slices, shared weights by coverage, norms and "
         "block step sizes per slice",
+        personalise=True,
     )
 )

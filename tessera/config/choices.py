@@ -38,6 +38,11 @@ OMNISCIENT_ATTACKS = ("alie", "ipm", "min-max", "min-sum", "mimic")
 papers): only the in-process grid can show them those (:mod:`client_app.attacks`),
 so a real simulation or deployment refuses them. ``bound-riding`` is omniscient in
 the in-process grid and uses its own update elsewhere."""
+Personalise = Literal["none", "finetune", "ditto", "rep"]
+PERSONALISE_MODES: tuple[Personalise, ...] = get_args(Personalise)
+"""How a node of a weight-sharing scheme personalises (run-config ``personalise``):
+not at all, fine-tuning a copy, Ditto's proximal personal model, FedRep's personal
+head."""
 AttackPerturbation = Literal["std", "sign", "unit"]
 ATTACK_PERTURBATIONS: tuple[AttackPerturbation, ...] = get_args(AttackPerturbation)
 """Min-max/min-sum perturbation directions (run-config ``attack-perturbation``)."""

@@ -5,14 +5,17 @@ Each field maps to one kebab-case run-config key (:class:`Group`).
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, fields
+import math
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, cast
 
 from tessera.config.choices import (
     FLAT_INPUTS,
     PARTITIONERS,
+    PERSONALISE_MODES,
     FlatInput,
     Partitioner,
+    Personalise,
 )
 from tessera.config.reader import (
     ConfigReader,
@@ -23,6 +26,7 @@ from tessera.config.reader import (
 __all__ = [
     "DataConfig",
     "DeploymentConfig",
+    "PersonaliseConfig",
     "SchemeConfig",
     "TrainingConfig",
 ]
@@ -362,4 +366,54 @@ class DeploymentConfig(Group):
             "output-dir",
             self.output_dir,
             "name a folder, e.g. results",
+        )
+
+
+@dataclass(frozen=True)
+class PersonaliseConfig(Group):
+    """How a node of a weight-sharing scheme personalises (:mod:`client_app.personalise`).
+
+    Attributes
+    ----------
+    mode : Personalise
+        ``none``: the node's model is the one it trained and sent; ``finetune``: a
+        copy of it trained :attr:`epochs` more epochs; ``ditto``: a personal model
+        kept in node state, trained towards the received weights with
+        :attr:`ditto_lambda`; ``rep``: the received body under a personal head kept
+        in node state (the head trained :attr:`epochs` epochs first, the body then).
+    epochs : int
+        ``finetune``'s extra epochs and ``rep``'s head epochs.
+    ditto_lambda : float
+        Ditto's weight of ``lambda/2 * ||v - w||^2`` (``ditto-lambda``).
+    """
+
+    KEY_PREFIX: ClassVar[str] = "personalise-"
+
+    mode: Personalise = field(metadata={"key": "personalise"})
+    epochs: int
+    ditto_lambda: float = field(metadata={"key": "ditto-lambda"})
+
+    @classmethod
+    def read(cls, r: ConfigReader) -> PersonaliseConfig:
+        """Read the group from ``r``."""
+        return cls(
+            mode=cast("Personalise", r.get("personalise", str).strip().lower()),
+            epochs=r.get("personalise-epochs", int),
+            ditto_lambda=r.get("ditto-lambda", float),
+        )
+
+    def validate(self) -> None:
+        """Check the mode, the epochs and Ditto's lambda."""
+        require(
+            self.mode in PERSONALISE_MODES,
+            "personalise",
+            self.mode,
+            f"use one of {', '.join(PERSONALISE_MODES)}",
+        )
+        require(self.epochs >= 1, "personalise-epochs", self.epochs, "use 1 or more epochs")
+        require(
+            math.isfinite(self.ditto_lambda) and self.ditto_lambda >= 0,
+            "ditto-lambda",
+            self.ditto_lambda,
+            "use a non-negative weight, e.g. 0.1 (0: the personal model trains alone)",
         )

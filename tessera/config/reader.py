@@ -80,6 +80,7 @@ LIMITS: dict[str, Limit] = {
     # data and model sizes
     "classes-per-client": Limit(100_000, "use 1 to 100000 classes"),
     "local-epochs": Limit(1_000, "use 1 to 1000 local epochs"),
+    "personalise-epochs": Limit(1_000, "use 1 to 1000 epochs"),
     "batch-size": Limit(65_536, "use a batch size of 1 to 65536"),
     "rad-size": Limit(1_000_000, "use at most 1000000 samples (capped at the server pool)"),
     "rad-batch": Limit(1_000_000, "use 0 (the whole RAD) or at most 1000000 rows"),

@@ -1,7 +1,7 @@
 """The run configuration: :class:`RunConfig`, grouped into nested frozen configs.
 
 Flower sends every ClientApp and the ServerApp one flat mapping of kebab-case keys.
-:meth:`RunConfig.from_flower` reads it once into six groups, each one concern:
+:meth:`RunConfig.from_flower` reads it once into seven groups, each one concern:
 
 ========================  =====================================================
 ``run.scheme``            which scheme, how many rounds, the model family and form
@@ -10,6 +10,7 @@ Flower sends every ClientApp and the ServerApp one flat mapping of kebab-case ke
 ``run.aggregation``       the server's merge and its bounds
 ``run.deployment``        who takes part, timeouts, results and checkpoints
 ``run.attack``            the attack harness (research only)
+``run.personalise``       how a weight-sharing scheme's nodes personalise
 ========================  =====================================================
 
 ``run.seed`` stays at the top: it seeds the data, the models and the sampling alike.
@@ -27,6 +28,7 @@ from tessera.config.groups import (
     DataConfig,
     DeploymentConfig,
     Group,
+    PersonaliseConfig,
     SchemeConfig,
     TrainingConfig,
 )
@@ -61,6 +63,8 @@ class RunConfig:
         Participation, timeouts, results and checkpoints.
     attack : AttackConfig
         The attack harness.
+    personalise : PersonaliseConfig
+        How the nodes of a weight-sharing scheme personalise.
     """
 
     seed: int
@@ -70,6 +74,7 @@ class RunConfig:
     aggregation: AggregationConfig
     deployment: DeploymentConfig
     attack: AttackConfig
+    personalise: PersonaliseConfig
 
     @staticmethod
     def strategy_of(run_config: Mapping[str, Any]) -> str:
@@ -124,6 +129,7 @@ class RunConfig:
             aggregation=AggregationConfig.read(r),
             deployment=DeploymentConfig.read(r),
             attack=AttackConfig.read(r),
+            personalise=PersonaliseConfig.read(r),
         )
         cfg.validate()
         return cfg
@@ -138,6 +144,7 @@ class RunConfig:
             self.aggregation,
             self.deployment,
             self.attack,
+            self.personalise,
         )
 
     def validate(self) -> None:
