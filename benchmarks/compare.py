@@ -238,15 +238,54 @@ def all_schemes() -> list[str]:
     return [*names, FLOOR]
 
 
+PERSONALISED = "+"
+"""Separates a scheme from its run-config ``personalise`` mode in a row's name:
+``fedavg-groups+ditto`` is ``fedavg-groups`` with ``personalise=ditto``."""
+
+
+def split_variant(name: str) -> tuple[str, str | None]:
+    """Return a row's scheme and its personalisation mode (``None`` for none).
+
+    Examples
+    --------
+    >>> split_variant("fedavg-groups+ditto"), split_variant("felo")
+    (('fedavg-groups', 'ditto'), ('felo', None))
+    """
+    scheme, sep, mode = name.partition(PERSONALISED)
+    return scheme, (mode if sep else None)
+
+
 def check_schemes(names: Sequence[str]) -> list[str]:
-    """Validate scheme names; add the floor when it is missing."""
+    """Validate scheme names (``all`` expands in place); add the floor when it is missing.
+
+    A name ``<scheme>+<mode>`` is the scheme with run-config ``personalise=<mode>``, a
+    row of its own; the scheme must accept personalisation.
+    """
     import strategies
+    from strategies.core.registry import personalisable_schemes
+    from tessera.config.choices import PERSONALISE_MODES
 
     known = strategies.list_schemes()
-    bad = [n for n in names if n not in known]
+    expanded = [n for name in names for n in (all_schemes() if name == "all" else [name])]
+    bad = [n for n in expanded if split_variant(n)[0] not in known]
     if bad:
         raise ProtocolError(f"unknown scheme(s) {bad}; use 'all' or some of {known}")
-    return [*[n for n in names if n != FLOOR], FLOOR]
+    modes = [m for m in PERSONALISE_MODES if m != "none"]
+    for name in expanded:
+        scheme, mode = split_variant(name)
+        if mode is None:
+            continue
+        if mode not in modes:
+            raise ProtocolError(
+                f"{name!r}: personalisation {mode!r} is not one of {', '.join(modes)}"
+            )
+        if not strategies.get_scheme(scheme).personalise:
+            raise ProtocolError(
+                f"{name!r}: {scheme} shares no whole model, so it cannot be personalised; "
+                f"use one of {', '.join(personalisable_schemes())}"
+            )
+    unique = list(dict.fromkeys(n for n in expanded if n != FLOOR))
+    return [*unique, FLOOR]
 
 
 def scheme_config(scheme: str, overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -264,7 +303,13 @@ def scheme_config(scheme: str, overrides: Mapping[str, Mapping[str, Any]]) -> di
             **SCHEME_SETTINGS.get(like, {}),
             **overrides.get(scheme, {}),
         }
-    return {"strategy": scheme, **SCHEME_SETTINGS.get(scheme, {}), **overrides.get(scheme, {})}
+    base, mode = split_variant(scheme)
+    return {
+        "strategy": base,
+        **SCHEME_SETTINGS.get(base, {}),
+        **({"personalise": mode} if mode else {}),
+        **overrides.get(scheme, {}),
+    }
 
 
 def family_floors(
@@ -276,7 +321,8 @@ def family_floors(
     (the ``cnn`` family) is compared with ``local``; any other (sub-model slices, the
     ensemble's ``mixed`` family) with ``local:<scheme>``, each client alone on what the
     scheme would give it. Schemes with the same candidates share one floor (NeFL and
-    FedFA slice the same global model the same ways).
+    FedFA slice the same global model the same ways). A personalised row
+    (``fedavg-groups+ditto``) has its scheme's floor.
     """
     from benchmarks.harness import default_run_config
     from strategies import get_scheme
@@ -294,7 +340,7 @@ def family_floors(
 
     seen = {candidates(FLOOR): FLOOR}
     return {
-        name: seen.setdefault(candidates(name), family_floor(name))
+        name: seen.setdefault(candidates(name), family_floor(split_variant(name)[0]))
         for name in schemes
         if not is_floor(name)
     }
@@ -749,7 +795,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.compare",
         description="Run every scheme under one evaluation protocol (Flower simulation).",
     )
-    p.add_argument("--schemes", default="all", help="comma-separated, or 'all' (default)")
+    p.add_argument(
+        "--schemes",
+        default="all",
+        help="comma-separated, or 'all' (default); 'all' may be one of the items, and "
+        "<scheme>+<mode> (e.g. fedavg-groups+ditto) is a row with run-config personalise",
+    )
     p.add_argument(
         "--partitionings",
         default="iid,dirichlet:0.5,pathological:2",
@@ -813,7 +864,7 @@ def build_parser() -> argparse.ArgumentParser:
 def comparison_from_args(args: argparse.Namespace) -> Comparison:
     """Parse and check every argument once (a clear error names the bad value)."""
     names = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    schemes = all_schemes() if names == ["all"] else check_schemes(names)
+    schemes = check_schemes(names)
     partitionings = [parse_partitioning(p) for p in args.partitionings.split(",") if p.strip()]
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

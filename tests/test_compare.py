@@ -566,6 +566,42 @@ def test_all_schemes_and_scheme_settings() -> None:
     assert [compare.parse_value(v) for v in ("true", "3", "0.5", "x")] == [True, 3, 0.5, "x"]
 
 
+def test_a_personalised_row_is_its_scheme_with_run_config_personalise() -> None:
+    # Execute
+    comparison = compare.comparison_from_args(
+        compare.build_parser().parse_args(
+            ["--schemes", "all,fedavg-groups+ditto,heterofl+rep", "--no-ceiling"]
+        )
+    )
+
+    # Assert: 'all' expanded in place, the variants their own rows with their scheme's
+    # floor and the mode in their run-config
+    assert comparison.schemes[-3:] == ["fedavg-groups+ditto", "heterofl+rep", "local"]
+    assert comparison.floors["fedavg-groups+ditto"] == "local"
+    assert comparison.floors["heterofl+rep"] == "local:heterofl"
+    assert compare.scheme_config("fedavg-groups+ditto", {}) == {
+        "strategy": "fedavg-groups",
+        "personalise": "ditto",
+    }
+    cell = next(c for c in comparison.cells() if c.scheme == "heterofl+rep")
+    assert dict(cell.config)["personalise"] == "rep" and cell.key.startswith("heterofl+rep--")
+    assert compare.split_variant("felo") == ("felo", None)
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [
+        ("fedhe+ditto", "shares no whole model"),
+        ("fedavg-groups+maml", "is not one of finetune, ditto, rep"),
+        ("fedavg-groups+none", "is not one of"),
+        ("nosuch+ditto", "unknown scheme"),
+    ],
+)
+def test_a_bad_personalised_row_is_refused(name: str, named: str) -> None:
+    with pytest.raises(ProtocolError, match=named):
+        compare.check_schemes([name])
+
+
 def test_tuning_keeps_the_best_value_of_the_validation_seed(tmp_path: Path) -> None:
     args = compare.build_parser().parse_args(
         ["--schemes", "fedhenn", "--tune", "fedhenn:eta0=0.1|1.0", "--out", str(tmp_path)]
