@@ -280,6 +280,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "fedhe": {},
     "fedhenn": {"rad-size": 32, "rad-batch": 8},
     "local": {},
+    "fedproto": {},
+    "fedtgp": {"fedtgp-server-epochs": 5},
+    "fedgh": {"fedgh-server-epochs": 5},
+    "lg-fedavg": {},
 }
 
 
@@ -332,9 +336,19 @@ def test_every_attack_against_every_scheme(
         clipped = [c["node"] for r in server.rounds for c in r.get("clipped", [])]
         hostile_node = 100 + hostile[0]
         assert hostile_node in clipped, server.rounds[-1].get("clipped")
-    if attack in ("boost", "sign-flip") and scheme in ("felo", "velo", "fedhe"):
+    if attack in ("boost", "sign-flip") and scheme == "lg-fedavg":  # the head is a group
+        clipped = [c["node"] for r in server.rounds for c in r.get("head_clipped", [])]
+        hostile_node = 100 + hostile[0]
+        assert hostile_node in clipped, server.rounds[-1].get("clipped")
+    knowledge = ("felo", "velo", "fedhe", "fedproto", "fedtgp", "fedgh")
+    if attack in ("boost", "sign-flip") and scheme in knowledge:
         # bounded against the cohort, or (overflowing to infinity) rejected outright
-        clipped = [c["node"] for r in server.rounds for c in r.get("knowledge_clipped", [])]
+        clipped = [
+            c["node"]
+            for r in server.rounds
+            for key in ("knowledge_clipped", "prototypes_clipped")
+            for c in r.get(key, [])
+        ]
         rejected = [c["node"] for r in server.rounds for c in r["rejected"]]
         assert 100 + hostile[0] in clipped + rejected
     if attack == "label-flip" and server.global_models():
