@@ -4,9 +4,10 @@ Each registers itself on import. The machinery every scheme shares (the round
 loop, the node table, aggregation, reply validation, the client lifecycle, the
 scheme registry) lives in
 :mod:`strategies.core`. FedHeNN (:mod:`strategies.fedhenn`), Felo/Velo/FedHe
-(:mod:`strategies.felo`) and the heterogeneous ensemble (:mod:`strategies.ensemble`)
-are a package each; the sub-model schemes (HeteroFL, FlexiFed, NeFL, FedFA) share
-:mod:`strategies.submodel`, the prototype schemes (FedProto, FedTGP)
+(:mod:`strategies.felo`), the heterogeneous ensemble (:mod:`strategies.ensemble`)
+and FML (:mod:`strategies.fml`) are a package each; the sub-model schemes
+(HeteroFL, FlexiFed, NeFL, FedFA) share :mod:`strategies.submodel`, the prototype
+schemes (FedProto, FedTGP)
 :mod:`strategies.prototypes` and the baselines (``fedavg-groups``, ``fedavg``,
 ``fedprox``, ``local``, ``flwr-fedavg``) :mod:`strategies.baselines`, one module
 each.
@@ -15,7 +16,7 @@ each.
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-from strategies import baselines, ensemble, fedhenn, felo, prototypes, submodel
+from strategies import baselines, ensemble, fedhenn, felo, fml, prototypes, submodel
 from strategies.baselines import fedavg, fedavg_groups, fedprox, flwr_fedavg, local
 from strategies.core import robust
 from strategies.core.registry import (
@@ -41,6 +42,7 @@ __all__ = [
     "felo",
     "flexifed",
     "flwr_fedavg",
+    "fml",
     "get_scheme",
     "heterofl",
     "list_schemes",
