@@ -553,3 +553,39 @@ def test_the_run_config_groups_hold_every_common_key_once_as_the_docs_list_them(
     }
     assert flat["attack-lambda"] == cfg.attack.lam
     assert flat["attack"] == list(cfg.attack.kinds)
+
+
+# ------------------------------------------------- keys a scheme would ignore
+@pytest.mark.parametrize("strategy", ["fedhe", "fedproto", "fedtgp", "fedgh", "local"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{"aggregator": "median"}, {"clip-factor": 2.0}, {"server-trust": False}],
+)
+def test_a_scheme_that_sends_no_weights_refuses_a_changed_weight_key(
+    default_run_config: dict[str, Any], strategy: str, overrides: dict[str, Any]
+) -> None:
+    from strategies import resolve_run
+
+    (key,) = overrides
+    config = {**default_run_config, "strategy": strategy, **overrides}
+    with pytest.raises(ConfigError, match=rf"'{key}' set, but '{strategy}' sends no weights"):
+        resolve_run(config)
+    resolve_run({**default_run_config, "strategy": strategy})  # the defaults: accepted
+
+
+def test_weight_sharing_schemes_take_the_weight_keys(default_run_config: dict[str, Any]) -> None:
+    from strategies import resolve_run
+
+    for strategy in ("fedavg-groups", "felo", "lg-fedavg", "fml"):
+        run = resolve_run({**default_run_config, "strategy": strategy, "aggregator": "median"})
+        assert run.run.aggregation.aggregator == "median"
+
+
+def test_changed_keys_compares_with_the_declared_defaults(tmp_path: Path) -> None:
+    from tessera.config.declared import changed_keys, declared_defaults
+
+    declared = declared_defaults()
+    assert declared is not None and declared["clip-factor"] == 1.0
+    values = {"clip-factor": 1.0, "aggregator": "krum", "unknown": 3}
+    assert changed_keys(values, ["clip-factor", "aggregator", "unknown"]) == ["aggregator"]
+    assert declared_defaults(tmp_path / "missing.toml") is None

@@ -176,9 +176,51 @@ def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
     run = RunConfig.from_flower(run_config, default_norm=scheme.norm)
     options = scheme.parse_options(run_config)
     check_personalise(scheme, run, options)
+    check_weight_keys(scheme, run, options)
     if scheme.validate is not None:
         scheme.validate(run, options)
     return ResolvedRun(run, scheme, options)
+
+
+WEIGHT_ONLY_KEYS = (
+    "aggregator",
+    "clip-factor",
+    "clip-ceiling",
+    "bound-growth",
+    "server-trust",
+    "trust-threshold",
+    "clip-norm",
+    "krum-byzantine",
+)
+"""Run-config keys that only act on weight updates (the Aggregator seam and its bounds)."""
+
+
+def check_weight_keys(scheme: Scheme[OptionsT], run: RunConfig, options: OptionsT) -> None:
+    """Refuse a changed weight-only key for a scheme whose nodes send no weights.
+
+    FedHe, FedProto, FedTGP, FedGH, ``local`` (and Felo without weight sharing,
+    FedHeNN across architectures) merge no weights, so :data:`WEIGHT_ONLY_KEYS` would
+    be ignored; a value other than the declared default
+    (:func:`~tessera.config.declared.changed_keys`) is refused, naming the keys that
+    bound what these schemes do exchange.
+
+    Raises
+    ------
+    ConfigError
+        Naming the changed keys and the fix.
+    """
+    from tessera.config.declared import changed_keys
+
+    if scheme.client(run=run, options=options).sends_weights:
+        return
+    changed = changed_keys(run.to_dict(), WEIGHT_ONLY_KEYS)
+    if changed:
+        raise ConfigError(
+            f"run-config {', '.join(repr(k) for k in changed)} set, but '{scheme.name}' "
+            "sends no weights, so they would be ignored; leave them at their defaults "
+            "(class knowledge and prototypes are bounded by 'knowledge-clip-factor' and "
+            "merged by 'knowledge-merge')"
+        )
 
 
 def personalisable_schemes() -> list[str]:
