@@ -2,7 +2,7 @@
 
 The federations run on the FakeGrid of three real ClientApps under the settings of
 ``tests/test_prototypes.py`` (three CNN sizes: cnn-1, cnn-4, cnn-5), so one meme
-(cnn-1) is trained beside three personal architectures; node 22's round-2 reply is
+(cnn-2) is trained beside three personal architectures; node 22's round-2 reply is
 tampered with, to see it refused while the round goes on.
 """
 
@@ -121,7 +121,7 @@ def test_options_defaults_and_refusals(default_run_config: dict[str, Any]) -> No
     options = get_scheme("fml").parse_options(default_run_config)
 
     # Assert: the declared defaults; an unknown meme and weights outside [0, 1] refused
-    assert options == FMLOptions(meme_arch="cnn-1", alpha=0.5, beta=0.5)
+    assert options == FMLOptions(meme_arch="cnn-2", alpha=0.5, beta=0.5)
     assert get_scheme("fml").server is FMLStrategy
     for key, value, match in (
         ("fml-meme-arch", "cnn-99", "not a registered model"),
@@ -148,7 +148,7 @@ def _server(
 def test_the_server_sends_the_meme_to_every_node_and_demands_exactly_it_back(
     run_config: Callable[..., dict[str, Any]], digits_bundle: Any, tmp_path: Path
 ) -> None:
-    # Prepare: the seeded cnn-1 meme, and what a cnn-5 node must send
+    # Prepare: the seeded cnn-2 meme, and what a cnn-5 node must send
     server = _server(run_config, digits_bundle, tmp_path)
     meme = {k: v.copy() for k, v in server.global_meme().items()}
     spec = server.reply_schema(_ctx(), 1, "cnn-5").arrays
@@ -170,7 +170,7 @@ def test_the_server_sends_the_meme_to_every_node_and_demands_exactly_it_back(
     # Assert: the node's own arch in the config, the meme as the weights record
     assert sent.config_records[wire.CONFIG]["arch"] == "cnn-5"
     assert set(wire.record_to_numpy(sent.array_records[wire.ARRAYS])) == set(spec)
-    assert spec == server.array_spec("cnn-1") and set(spec) == set(server.global_meme())
+    assert spec == server.array_spec("cnn-2") and set(spec) == set(server.global_meme())
     assert isinstance(good, dict) and set(good) == set(spec)
     assert extra == "array names differ: missing [], unexpected ['personal.x']"
     assert missing == f"array names differ: missing ['{key}'], unexpected []"
@@ -211,7 +211,7 @@ def test_the_global_meme_is_the_example_weighted_mean_and_is_what_is_evaluated(
     for key, value in server.global_meme().items():
         np.testing.assert_allclose(value, start[key] - 0.5, atol=1e-5)
     assert record == {"meme_updates": 2, "meme_clipped": []}
-    assert set(server.global_models()) == {"cnn-1"}
+    assert set(server.global_models()) == {"cnn-2"}
 
 
 # ------------------------------------------------------------------ client
@@ -260,7 +260,7 @@ def test_a_node_refuses_a_missing_or_foreign_meme(default_run_config: dict[str, 
     nothing = round_input(RecordDict({wire.CONFIG: ConfigRecord({})}), arch="cnn-4")
     with pytest.raises(ConfigError, match="sent no meme"):
         client.load_weights(model, nothing, memory_state())
-    other = client.build_model(ModelRef("cnn-2"), input_shape=(1, 8, 8), num_classes=10)
+    other = client.build_model(ModelRef("cnn-3"), input_shape=(1, 8, 8), num_classes=10)
     assert isinstance(other, MutualPair)
     foreign = RecordDict({wire.ARRAYS: wire.state_to_record(other.personal.state_dict())})
     with pytest.raises(ConfigError, match="fml-meme-arch"):
@@ -314,7 +314,7 @@ def test_fml_runs_three_rounds_on_three_architectures(fed: Federation) -> None:
         rejected = 1 if record["round"] == 2 else 0
         assert record["num_ok"] == 3 - rejected, record["rejected"]
         assert record["meme_updates"] == 3 - rejected
-        assert record["global_accuracy_by_arch"].keys() == {"cnn-1"}
+        assert record["global_accuracy_by_arch"].keys() == {"cnn-2"}
     (refusal,) = run.server.rounds[1]["rejected"]
     assert refusal["node"] == 22 and "unexpected ['personal.extra']" in refusal["reason"]
     # Assert: the meme and nothing else goes down and up, under its own names
