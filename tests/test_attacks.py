@@ -284,6 +284,7 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "fedtgp": {"fedtgp-server-epochs": 5},
     "fedgh": {"fedgh-server-epochs": 5},
     "lg-fedavg": {},
+    "fml": {},
 }
 
 
@@ -336,8 +337,12 @@ def test_every_attack_against_every_scheme(
         clipped = [c["node"] for r in server.rounds for c in r.get("clipped", [])]
         hostile_node = 100 + hostile[0]
         assert hostile_node in clipped, server.rounds[-1].get("clipped")
-    if attack in ("boost", "sign-flip") and scheme == "lg-fedavg":  # the head is a group
-        clipped = [c["node"] for r in server.rounds for c in r.get("head_clipped", [])]
+    if attack in ("boost", "sign-flip") and scheme in ("lg-fedavg", "fml"):  # one group each
+        clipped = [
+            c["node"]
+            for r in server.rounds
+            for c in r.get("head_clipped", r.get("meme_clipped", []))
+        ]
         hostile_node = 100 + hostile[0]
         assert hostile_node in clipped, server.rounds[-1].get("clipped")
     knowledge = ("felo", "velo", "fedhe", "fedproto", "fedtgp", "fedgh")
