@@ -176,6 +176,12 @@ RUNS: dict[str, dict[str, Any]] = {
     "rep": {"strategy": "fedavg-groups", "personalise": "rep", "personalise-epochs": 2},
     "heterofl-rep": {"strategy": "heterofl", "personalise": "rep", "model-family": ""},
     "felo-ditto": {"strategy": "felo", "personalise": "ditto"},
+    "ensemble-finetune": {
+        "strategy": "ensemble",
+        "personalise": "finetune",
+        "ensemble-trials": 5,
+        "ensemble-gradient-steps": 20,
+    },
 }
 
 
@@ -221,7 +227,7 @@ def test_every_round_is_accepted_and_the_record_names_the_mode(
     assert [line["personalise"] for line in lines] == [mode] * 3
 
 
-@pytest.mark.parametrize("name", ["finetune", "ditto", "felo-ditto"])
+@pytest.mark.parametrize("name", ["finetune", "ditto", "felo-ditto", "ensemble-finetune"])
 def test_the_personal_model_is_not_the_sent_one(
     federation: Callable[[str], Federation], name: str
 ) -> None:
