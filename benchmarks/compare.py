@@ -762,7 +762,13 @@ class Comparison:
 
     def report(self) -> Path:
         """Write the CSV, the leaderboard and the plots from the finished cells."""
-        from tessera.compare.report import flat_rows, markdown_tables, plot_all, write_csv
+        from tessera.compare.report import (
+            flat_rows,
+            goal_section,
+            markdown_tables,
+            plot_all,
+            write_csv,
+        )
 
         wanted = {c.key for c in self.cells()} | {
             f"{CEILING}--{p.slug}--seed{s}" for p in self.partitionings for s in self.seeds
@@ -771,7 +777,7 @@ class Comparison:
         rows = flat_rows(cells, self.floors)
         write_csv(rows, self.out / "results.csv")
         header = _header(self)
-        text = header + markdown_tables(rows, self.order)
+        text = header + markdown_tables(rows, self.order) + goal_section(rows)
         (self.out / "leaderboard.md").write_text(text)
         if rows:
             plot_all(rows, self.order, self.out)

@@ -315,6 +315,7 @@ def test_markdown_tables_flag_a_scheme_below_the_floor(tmp_path: Path) -> None:
         "accuracy_rounds.png",
         "accuracy_vs_bytes.png",
         "accuracy_by_arch.png",
+        "margin_over_floor.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in paths)
 
@@ -749,3 +750,68 @@ def test_compare_runs_flower_simulations_and_resumes(
     code, text = _main(args, capsys)
     assert code == 0 and "2 runs, 2 already done, 0 to run" in text
     assert len((out / "cells.jsonl").read_text().splitlines()) == len(lines)
+
+
+# ------------------------------------------------------------ against the floor
+def _row(
+    scheme: str, part: str, seed: int, personal: float | None, floor: str | None
+) -> dict[str, Any]:
+    return {
+        "scheme": scheme,
+        "partitioning": part,
+        "seed": seed,
+        "personal": personal,
+        "floor": floor,
+    }
+
+
+GOAL_ROWS = [
+    # dirichlet: floor 0.80 / 0.90, ceiling 0.95 / 0.99 -> gap mean (0.15 + 0.09) / 2 = 0.12
+    _row("local", "dir", 0, 0.80, None),
+    _row("local", "dir", 1, 0.90, None),
+    _row("centralised", "dir", 0, 0.95, "local"),
+    _row("centralised", "dir", 1, 0.99, "local"),
+    _row("a", "dir", 0, 0.86, "local"),  # +0.06, +0.02: mean 0.04 >= 0.12 / 3
+    _row("a", "dir", 1, 0.92, "local"),
+    _row("b", "dir", 0, 0.90, "local:b"),  # against its own floor: +0.10 on one seed only
+    _row("local:b", "dir", 0, 0.80, None),
+    _row("c", "dir", 0, 0.79, "local"),  # -0.01, seed 1 missing its value
+    _row("c", "dir", 1, None, "local"),
+    # pathological: floor 0.99 above the ceiling 0.97
+    _row("local", "path", 0, 0.99, None),
+    _row("centralised", "path", 0, 0.97, "local"),
+    _row("a", "path", 0, 0.995, "local"),
+]
+
+
+def test_floor_margins_pair_each_scheme_with_its_own_floor_by_seed() -> None:
+    from tessera.compare.report import floor_gaps, floor_margins
+
+    margins = floor_margins(GOAL_ROWS)
+    assert margins["dir"]["a"] == pytest.approx({0: 0.06, 1: 0.02})
+    assert margins["dir"]["b"] == pytest.approx({0: 0.10})
+    assert margins["dir"]["c"] == pytest.approx({0: -0.01})
+    assert set(margins["dir"]) == {"a", "b", "c"}  # no floor, no ceiling
+    gaps = floor_gaps(GOAL_ROWS)
+    assert gaps["dir"] == pytest.approx(0.12)
+    assert gaps["path"] == pytest.approx(-0.02)
+
+
+def test_goal_section_names_the_best_scheme_with_most_seeds_and_the_third_of_the_gap() -> None:
+    from tessera.compare.report import goal_section
+
+    text = goal_section(GOAL_ROWS)
+    # b's +10 on one seed does not beat a's +4 on two seeds
+    assert "| dir | +12.0 | a | +4.0 (+6.0, +2.0) | 2/2 | yes |" in text
+    assert (
+        "| path | -2.0 | a | +0.5 (+0.5) | 1/1 | impossible: the floor is above the ceiling |"
+        in (text)
+    )
+
+
+def test_goal_section_says_how_far_a_scheme_is_from_a_third_of_the_gap() -> None:
+    from tessera.compare.report import goal_section
+
+    rows = [r for r in GOAL_ROWS if r["partitioning"] == "dir" and r["scheme"] in ("local", "c")]
+    rows += [r for r in GOAL_ROWS if r["scheme"] == "centralised" and r["partitioning"] == "dir"]
+    assert "| dir | +12.0 | c | -1.0 (-1.0) | 0/1 | no (needs +4.0) |" in goal_section(rows)

@@ -331,7 +331,11 @@ def beats_floor_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str
 
 
 def plot_all(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str], folder: Path) -> list[Path]:
-    """Write ``accuracy_rounds.png``, ``accuracy_vs_bytes.png`` and ``accuracy_by_arch.png``."""
+    """Write the plots: accuracy by round, against bytes, by architecture, and margins.
+
+    ``accuracy_rounds.png``, ``accuracy_vs_bytes.png``, ``accuracy_by_arch.png`` and
+    ``margin_over_floor.png`` (:func:`plot_margins`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,6 +421,9 @@ def plot_all(rows: Sequence[Mapping[str, Any]], schemes: Sequence[str], folder: 
 
     paths.append(folder / "accuracy_by_arch.png")
     _plot_archs(groups, parts, order, paths[-1])
+    margins = plot_margins(rows, schemes, folder / "margin_over_floor.png")
+    if margins is not None:
+        paths.append(margins)
     return paths
 
 
@@ -477,3 +484,156 @@ def _plot_archs(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------ against the floor
+def floor_margins(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
+    """Per partitioning, per scheme: its personalised accuracy minus its own floor's, per seed.
+
+    Paired by seed (the same split and fleet); a seed where either value is missing is
+    left out. Floors and the ceiling have no margin.
+
+    Examples
+    --------
+    >>> rows = [
+    ...     {"scheme": "local", "partitioning": "iid", "seed": 0, "personal": 0.8, "floor": None},
+    ...     {"scheme": "felo", "partitioning": "iid", "seed": 0, "personal": 0.85,
+    ...      "floor": "local"},
+    ... ]
+    >>> {p: {s: {k: round(v, 2) for k, v in m.items()} for s, m in d.items()}
+    ...  for p, d in floor_margins(rows).items()}
+    {'iid': {'felo': {0: 0.05}}}
+    """
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for part, by_scheme in _group(rows).items():
+        margins: dict[str, dict[int, float]] = {}
+        for scheme, rs in by_scheme.items():
+            if is_floor(scheme) or scheme == CEILING:
+                continue
+            own = {
+                int(r["seed"]): r["personal"]
+                for r in by_scheme.get(str(rs[0].get("floor") or FLOOR), [])
+            }
+            paired = {
+                int(r["seed"]): float(r["personal"]) - float(own[int(r["seed"])])
+                for r in rs
+                if r["personal"] is not None and own.get(int(r["seed"])) is not None
+            }
+            if paired:
+                margins[scheme] = paired
+        out[part] = margins
+    return out
+
+
+def floor_gaps(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Per partitioning: the ceiling's mean personalised accuracy minus ``local``'s.
+
+    Both are of ``local``'s architectures (the fleet's own choice), averaged over the
+    seeds both have; ``None`` without them. Negative where the floor is above the
+    ceiling (pathological label skew: each client's few classes are easier alone).
+    """
+    out: dict[str, float | None] = {}
+    for part, by_scheme in _group(rows).items():
+        floor = {int(r["seed"]): r["personal"] for r in by_scheme.get(FLOOR, [])}
+        pairs = [
+            float(r["personal"]) - float(floor[int(r["seed"])])
+            for r in by_scheme.get(CEILING, [])
+            if r["personal"] is not None and floor.get(int(r["seed"])) is not None
+        ]
+        out[part] = sum(pairs) / len(pairs) if pairs else None
+    return out
+
+
+def goal_section(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: per partitioning, the best scheme's margin over its floor against the gap.
+
+    The best scheme is the one with the largest mean paired margin among those with
+    the most seeds; the section says in
+    how many seeds it is above its floor and whether its mean margin reaches a third of
+    the floor-to-ceiling gap (the goal of a federation that pays on skewed data).
+    """
+    gaps = floor_gaps(rows)
+    lines = [
+        "",
+        "### Against the floor",
+        "",
+        "| partitioning | floor-to-ceiling gap (points) | best scheme | its margin over its "
+        "floor (points, mean; per seed) | seeds above its floor | a third of the gap reached |",
+        "|---|---|---|---|---|---|",
+    ]
+    for part, margins in floor_margins(rows).items():
+        gap = gaps.get(part)
+        gap_text = "-" if gap is None else f"{100 * gap:+.1f}"
+        if not margins:
+            continue
+        # the most seeds first (a partial scheme is not the best on one lucky seed)
+        best = max(
+            margins, key=lambda s: (len(margins[s]), sum(margins[s].values()) / len(margins[s]))
+        )
+        seeds = margins[best]
+        mean = sum(seeds.values()) / len(seeds)
+        per_seed = ", ".join(f"{100 * seeds[k]:+.1f}" for k in sorted(seeds))
+        above = sum(v > 0 for v in seeds.values())
+        if gap is None:
+            reached = "-"
+        elif gap <= 0:
+            reached = "impossible: the floor is above the ceiling"
+        else:
+            reached = "yes" if mean >= gap / 3 else f"no (needs {100 * gap / 3:+.1f})"
+        lines.append(
+            f"| {part} | {gap_text} | {best} | {100 * mean:+.1f} ({per_seed}) | "
+            f"{above}/{len(seeds)} | {reached} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_margins(
+    rows: Sequence[Mapping[str, Any]], schemes: Sequence[str], path: Path
+) -> Path | None:
+    """Write ``margin_over_floor.png``: each scheme's paired margin over its floor per seed.
+
+    One panel per partitioning, one row per scheme, a dot per seed and a bar at the
+    mean, with lines at 0 (the floor) and at a third of the floor-to-ceiling gap.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    margins = floor_margins(rows)
+    gaps = floor_gaps(rows)
+    parts = [p for p in margins if margins[p]]
+    if not parts:
+        return None
+    order = [s for s in _order(schemes) if any(s in margins[p] for p in parts)]
+    fig, axes = plt.subplots(
+        1, len(parts), figsize=(5.5 * len(parts), 0.35 * len(order) + 1.8), squeeze=False
+    )
+    for ax, part in zip(axes[0], parts, strict=True):
+        for y, scheme in enumerate(order):
+            seeds = margins[part].get(scheme)
+            if not seeds:
+                continue
+            values = [100 * v for v in seeds.values()]
+            mean = sum(values) / len(values)
+            ax.scatter(values, [y] * len(values), s=14, color="tab:blue", alpha=0.7)
+            ax.plot([mean, mean], [y - 0.3, y + 0.3], color="k", lw=2)
+        ax.axvline(0.0, color="k", ls=":", lw=1)
+        gap = gaps.get(part)
+        if gap is not None and gap > 0:
+            ax.axvline(100 * gap / 3, color="tab:green", ls="--", lw=1, label="a third of the gap")
+            title = f"{part}: floor-to-ceiling gap {100 * gap:.1f} points"
+        elif gap is not None:
+            title = f"{part}: floor {100 * -gap:.1f} points above the ceiling"
+        else:
+            title = part
+        ax.set_title(title, fontsize=9)
+        ax.set_yticks(range(len(order)))
+        ax.set_yticklabels(order, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("personalised accuracy minus its own floor's (points; dot: a seed)")
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
