@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,24 @@ def readme_block(directory: Path) -> str:
     return "\n".join(["```", *lines, "```"])
 
 
+def personalise_line(record: Mapping[str, Any]) -> str:
+    """Say which personalisation the personalised accuracy is of (empty for ``none``).
+
+    Examples
+    --------
+    >>> personalise_line({"personalise": "ditto", "shared_accuracy_mean": 0.8125})
+    '  personalised by ditto; the shared models on the same splits: 0.812'
+    >>> personalise_line({"personalise": "none"})
+    ''
+    """
+    mode = str(record.get("personalise", "none"))
+    if mode == "none":
+        return ""
+    shared = record.get("shared_accuracy_mean")
+    tail = "" if shared is None else f"; the shared models on the same splits: {shared:.3f}"
+    return f"  personalised by {mode}{tail}"
+
+
 def _without_seconds(row: str) -> str:
     cells = row.split("|")
     return "|".join([*cells[:-2], ""])  # the last cell is the seconds column
@@ -139,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     by_arch = summary.get("final_personal_accuracy_by_arch") or {}
     for arch, acc in sorted(by_arch.items()):
         print(f"  final personalised accuracy on {arch}: {acc:.3f}")
+    if rounds:
+        line = personalise_line(rounds[-1])
+        if line:
+            print(line)
     print(f"results, plots and logs: {directory.resolve()}")
     if not summary or len(rounds) < expected:
         print(

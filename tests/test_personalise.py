@@ -354,3 +354,14 @@ def test_the_personal_part_survives_a_restart_and_the_next_round_starts_from_it(
     for name, value in kept.items():
         torch.testing.assert_close(starts[1][name], value)
     assert not torch.equal(starts[0]["head.weight"], starts[1]["head.weight"])
+
+
+def test_the_report_says_which_personalisation_the_accuracy_is_of() -> None:
+    from tessera.report import personalise_line
+
+    line = personalise_line({"personalise": "ditto", "shared_accuracy_mean": 0.8125})
+    assert line == "  personalised by ditto; the shared models on the same splits: 0.812"
+    assert personalise_line({"personalise": "rep", "shared_accuracy_mean": None}) == (
+        "  personalised by rep"
+    )
+    assert personalise_line({"personalise": "none"}) == personalise_line({}) == ""
