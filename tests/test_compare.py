@@ -754,7 +754,12 @@ def test_compare_runs_flower_simulations_and_resumes(
 
 # ------------------------------------------------------------ against the floor
 def _row(
-    scheme: str, part: str, seed: int, personal: float | None, floor: str | None
+    scheme: str,
+    part: str,
+    seed: int,
+    personal: float | None,
+    floor: str | None,
+    ceiling: float | None = None,
 ) -> dict[str, Any]:
     return {
         "scheme": scheme,
@@ -762,6 +767,7 @@ def _row(
         "seed": seed,
         "personal": personal,
         "floor": floor,
+        "ceiling_personal": ceiling,
     }
 
 
@@ -771,21 +777,21 @@ GOAL_ROWS = [
     _row("local", "dir", 1, 0.90, None),
     _row("centralised", "dir", 0, 0.95, "local"),
     _row("centralised", "dir", 1, 0.99, "local"),
-    _row("a", "dir", 0, 0.86, "local"),  # +0.06, +0.02: mean 0.04 >= 0.12 / 3
-    _row("a", "dir", 1, 0.92, "local"),
-    _row("b", "dir", 0, 0.90, "local:b"),  # against its own floor: +0.10 on one seed only
+    _row("a", "dir", 0, 0.86, "local", 0.95),  # +0.06, +0.02: mean 0.04 >= 0.12 / 3
+    _row("a", "dir", 1, 0.92, "local", 0.99),
+    _row("b", "dir", 0, 0.90, "local:b", 0.98),  # against its own floor: +0.10, one seed
     _row("local:b", "dir", 0, 0.80, None),
-    _row("c", "dir", 0, 0.79, "local"),  # -0.01, seed 1 missing its value
-    _row("c", "dir", 1, None, "local"),
+    _row("c", "dir", 0, 0.79, "local", 0.95),  # -0.01, seed 1 missing its value
+    _row("c", "dir", 1, None, "local", 0.99),
     # pathological: floor 0.99 above the ceiling 0.97
     _row("local", "path", 0, 0.99, None),
     _row("centralised", "path", 0, 0.97, "local"),
-    _row("a", "path", 0, 0.995, "local"),
+    _row("a", "path", 0, 0.995, "local", 0.97),
 ]
 
 
 def test_floor_margins_pair_each_scheme_with_its_own_floor_by_seed() -> None:
-    from tessera.compare.report import floor_gaps, floor_margins
+    from tessera.compare.report import floor_gaps, floor_margins, own_gaps
 
     margins = floor_margins(GOAL_ROWS)
     assert margins["dir"]["a"] == pytest.approx({0: 0.06, 1: 0.02})
@@ -795,16 +801,19 @@ def test_floor_margins_pair_each_scheme_with_its_own_floor_by_seed() -> None:
     gaps = floor_gaps(GOAL_ROWS)
     assert gaps["dir"] == pytest.approx(0.12)
     assert gaps["path"] == pytest.approx(-0.02)
+    own = own_gaps(GOAL_ROWS)
+    assert own["dir"] == pytest.approx({"a": 0.12, "b": 0.18, "c": 0.12})
+    assert own["path"] == pytest.approx({"a": -0.02})
 
 
-def test_goal_section_names_the_best_scheme_with_most_seeds_and_the_third_of_the_gap() -> None:
+def test_goal_section_names_the_best_scheme_with_most_seeds_and_a_third_of_its_gap() -> None:
     from tessera.compare.report import goal_section
 
     text = goal_section(GOAL_ROWS)
     # b's +10 on one seed does not beat a's +4 on two seeds
-    assert "| dir | +12.0 | a | +4.0 (+6.0, +2.0) | 2/2 | yes |" in text
+    assert "| dir | a | +4.0 (+6.0, +2.0) | 2/2 | +12.0 | yes |" in text
     assert (
-        "| path | -2.0 | a | +0.5 (+0.5) | 1/1 | impossible: the floor is above the ceiling |"
+        "| path | a | +0.5 (+0.5) | 1/1 | -2.0 | impossible: the floor is above the ceiling |"
         in (text)
     )
 
@@ -814,4 +823,4 @@ def test_goal_section_says_how_far_a_scheme_is_from_a_third_of_the_gap() -> None
 
     rows = [r for r in GOAL_ROWS if r["partitioning"] == "dir" and r["scheme"] in ("local", "c")]
     rows += [r for r in GOAL_ROWS if r["scheme"] == "centralised" and r["partitioning"] == "dir"]
-    assert "| dir | +12.0 | c | -1.0 (-1.0) | 0/1 | no (needs +4.0) |" in goal_section(rows)
+    assert "| dir | c | -1.0 (-1.0) | 0/1 | +12.0 | no (needs +4.0) |" in goal_section(rows)
