@@ -333,3 +333,89 @@ def fold_weights(models: GroupModels, rnd: GroupRound, reply: ClientReply) -> Cl
         raise ValueError(f"node {reply.node_id} sent no weights")
     models.fold(rnd, reply.arch, reply.arrays, reply.weight, node=reply.node_id)
     return without_arrays(reply)
+
+
+@dataclass
+class SharedGroup:
+    """One model every node shares, whatever its own architecture.
+
+    LG-FedAvg's head and FML's meme: the single group :attr:`name` of a
+    :class:`GroupModels`, so every reply is folded through the run's aggregator (the
+    bounded ``mean`` by default, at the reply's capped weight) and a round commits
+    all or nothing.
+
+    Attributes
+    ----------
+    name : str
+        The group's name; also the stem of the round record's keys
+        (``<name>_updates``, ``<name>_clipped``).
+    models : GroupModels
+        The group's weights and bound.
+    """
+
+    name: str
+    models: GroupModels
+
+    def get(self) -> Mapping[str, np.ndarray]:
+        """Return the shared model's current weights."""
+        return self.models.get(self.name)
+
+    def fold(self, rnd: GroupRound, reply: ClientReply) -> ClientReply:
+        """Fold a validated reply's weights into the round; return it without them.
+
+        Raises
+        ------
+        ValueError
+            If the reply carries no weights (the reply schema should have demanded them).
+        """
+        if reply.arrays is None:
+            raise ValueError(f"node {reply.node_id} sent no {self.name}")
+        self.models.fold(rnd, self.name, reply.arrays, reply.weight, node=reply.node_id)
+        return without_arrays(reply)
+
+    def commit(self, rnd: GroupRound) -> dict[str, Any]:
+        """Replace the shared model by the round's aggregate; return the record's entries."""
+        done = self.models.commit(rnd)
+        return {
+            f"{self.name}_updates": done.sizes.get(self.name, 0),
+            f"{self.name}_clipped": done.clips,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the group's checkpoint entry (weights and clip scale)."""
+        return self.models.state_dict()
+
+
+def restore_shared(
+    state: Mapping[str, Any], key: str, name: str, fresh: GroupModels
+) -> SharedGroup:
+    """Read a :class:`SharedGroup` back from checkpoint entry ``key``, checked.
+
+    Parameters
+    ----------
+    state : Mapping[str, Any]
+        The checkpoint.
+    key : str
+        Its entry (``global_head``, ``global_meme``).
+    name : str
+        The group the entry must hold.
+    fresh : GroupModels
+        A new group store of this run, which checks the saved arrays' shapes.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file, the field and the fix, if the entry is missing, holds
+        another group, or arrays that do not fit.
+    """
+    from tessera.checkpoint import refusal
+    from tessera.state_checks import StateFileError, get_mapping
+
+    try:
+        saved = get_mapping(state, key)
+    except StateFileError as err:
+        raise refusal(state, err) from err
+    fresh.load_state_dict(saved)
+    if name not in fresh.arrays:
+        raise refusal(state, StateFileError(f"{key}.arrays", f"holds no '{name}'"))
+    return SharedGroup(name, fresh)

@@ -21,7 +21,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.context import RoundContext
-from strategies.core.groups import GroupModels, GroupRound, without_arrays
+from strategies.core.groups import GroupModels, GroupRound, SharedGroup, restore_shared
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.fml.options import FMLOptions
@@ -38,7 +38,7 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.memes = self.new_memes()
+        self.memes = SharedGroup(MEME_GROUP, self.new_memes())
 
     def new_memes(self) -> GroupModels:
         """Return the meme's :class:`GroupModels`, at the seeded initial meme."""
@@ -56,7 +56,7 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
 
     def global_meme(self) -> Mapping[str, np.ndarray]:
         """Return the current global meme (its ``state_dict`` names, exchanged entries)."""
-        return self.memes.get(MEME_GROUP)
+        return self.memes.get()
 
     def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
         """Config (the node's own ``arch``) and the global meme as the weights record."""
@@ -72,17 +72,11 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Fold the reply's meme (at its capped weight) into the round's one group."""
-        if reply.arrays is None:
-            raise ValueError(f"node {reply.node_id} sent no meme")
-        self.memes.fold(
-            ctx.state(GroupRound), MEME_GROUP, reply.arrays, reply.weight, node=reply.node_id
-        )
-        return without_arrays(reply)
+        return self.memes.fold(ctx.state(GroupRound), reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Replace the global meme by the aggregate (all or nothing, finite)."""
-        commit = self.memes.commit(ctx.state(GroupRound))
-        return {"meme_updates": commit.sizes.get(MEME_GROUP, 0), "meme_clipped": commit.clips}
+        return self.memes.commit(ctx.state(GroupRound))
 
     def global_models(self) -> Mapping[str, dict[str, np.ndarray]]:
         """Return the meme, evaluated on the server's test set as the run's global accuracy."""
@@ -106,16 +100,6 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
             names another group than ``meme``, or its arrays are not exactly a
             finite ``fml-meme-arch`` of this task.
         """
-        from tessera.checkpoint import refusal
-        from tessera.state_checks import StateFileError, get_mapping
-
-        try:
-            saved = get_mapping(state, "global_meme")
-        except StateFileError as err:
-            raise refusal(state, err) from err
-        memes = self.new_memes()
-        memes.load_state_dict(saved)
-        if MEME_GROUP not in memes.arrays:
-            raise refusal(state, StateFileError("global_meme.arrays", f"holds no '{MEME_GROUP}'"))
+        memes = restore_shared(state, "global_meme", MEME_GROUP, self.new_memes())
         super().load_state_dict(state)
         self.memes = memes

@@ -24,7 +24,7 @@ from torch import nn
 from models.base import TesseraModel
 from strategies.core.client import Record, RoundInput, RoundOutcome
 from strategies.core.context import RoundContext
-from strategies.core.groups import GroupModels, GroupRound, without_arrays
+from strategies.core.groups import GroupModels, GroupRound, SharedGroup, restore_shared
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.prototypes.client import GlobalHeadClient
@@ -81,7 +81,7 @@ class LGFedAvgStrategy(GlobalHeadStrategy[LGFedAvgOptions]):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.heads = self.new_heads()
+        self.heads = SharedGroup(HEAD_GROUP, self.new_heads())
 
     def new_heads(self) -> GroupModels:
         """Return the head's :class:`GroupModels`, at the seeded initial head."""
@@ -94,7 +94,7 @@ class LGFedAvgStrategy(GlobalHeadStrategy[LGFedAvgOptions]):
 
     def global_head(self) -> Mapping[str, np.ndarray]:
         """Return the current global head."""
-        return self.heads.get(HEAD_GROUP)
+        return self.heads.get()
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
         """Exactly the head's arrays: ``head.weight`` and ``head.bias``, float32, finite."""
@@ -103,17 +103,11 @@ class LGFedAvgStrategy(GlobalHeadStrategy[LGFedAvgOptions]):
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Fold the reply's head (at its capped weight) into the round's one group."""
-        if reply.arrays is None:
-            raise ValueError(f"node {reply.node_id} sent no head")
-        self.heads.fold(
-            ctx.state(GroupRound), HEAD_GROUP, reply.arrays, reply.weight, node=reply.node_id
-        )
-        return without_arrays(reply)
+        return self.heads.fold(ctx.state(GroupRound), reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Replace the global head by the aggregate (all or nothing, finite)."""
-        commit = self.heads.commit(ctx.state(GroupRound))
-        return {"head_updates": commit.sizes.get(HEAD_GROUP, 0), "head_clipped": commit.clips}
+        return self.heads.commit(ctx.state(GroupRound))
 
     def state_dict(self) -> dict[str, Any]:
         """Return the base state and the head's group (weights and clip scale)."""
@@ -129,17 +123,7 @@ class LGFedAvgStrategy(GlobalHeadStrategy[LGFedAvgOptions]):
             names another group than ``head``, or its arrays are not exactly a
             finite head of this run's shape.
         """
-        from tessera.checkpoint import refusal
-        from tessera.state_checks import StateFileError, get_mapping
-
-        try:
-            saved = get_mapping(state, "global_head")
-        except StateFileError as err:
-            raise refusal(state, err) from err
-        heads = self.new_heads()
-        heads.load_state_dict(saved)
-        if HEAD_GROUP not in heads.arrays:
-            raise refusal(state, StateFileError("global_head.arrays", f"holds no '{HEAD_GROUP}'"))
+        heads = restore_shared(state, "global_head", HEAD_GROUP, self.new_heads())
         super().load_state_dict(state)
         self.heads = heads
 
