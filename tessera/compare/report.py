@@ -487,6 +487,14 @@ def _plot_archs(
 
 
 # ------------------------------------------------------------ against the floor
+def _own_floor(
+    by_scheme: Mapping[str, Sequence[Mapping[str, Any]]], rows: Sequence[Mapping[str, Any]]
+) -> dict[int, Any]:
+    """Return the personalised accuracy of ``rows``' own floor, by seed."""
+    floor = str(rows[0].get("floor") or FLOOR)
+    return {int(r["seed"]): r["personal"] for r in by_scheme.get(floor, [])}
+
+
 def floor_margins(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
     """Per partitioning, per scheme: its personalised accuracy minus its own floor's, per seed.
 
@@ -510,10 +518,7 @@ def floor_margins(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict
         for scheme, rs in by_scheme.items():
             if is_floor(scheme) or scheme == CEILING:
                 continue
-            own = {
-                int(r["seed"]): r["personal"]
-                for r in by_scheme.get(str(rs[0].get("floor") or FLOOR), [])
-            }
+            own = _own_floor(by_scheme, rs)
             paired = {
                 int(r["seed"]): float(r["personal"]) - float(own[int(r["seed"])])
                 for r in rs
@@ -558,10 +563,7 @@ def own_gaps(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
         for scheme, rs in by_scheme.items():
             if is_floor(scheme) or scheme == CEILING:
                 continue
-            own = {
-                int(r["seed"]): r["personal"]
-                for r in by_scheme.get(str(rs[0].get("floor") or FLOOR), [])
-            }
+            own = _own_floor(by_scheme, rs)
             pairs = [
                 float(r["ceiling_personal"]) - float(own[int(r["seed"])])
                 for r in rs
