@@ -134,7 +134,6 @@ class PersonalisedClient(ClientWrapper[Any]):
         self._test: ArrayDataset | None = None
         self._received: dict[str, torch.Tensor] = {}
         self._personal: nn.Module | None = None
-        self._personal_source = "fresh"
 
     # ------------------------------------------------------------------ steps
     def prepare_data(
@@ -152,7 +151,6 @@ class PersonalisedClient(ClientWrapper[Any]):
             stored = self._stored(state, STATE_HEAD, rnd, like=self._head_state(model))
             if stored is not None:
                 load_state_record(_HeadView(model), stored)
-                self._personal_source = "personal"
         return source
 
     def begin_round(self, model: nn.Module, rnd: RoundInput, state: NodeState) -> None:
