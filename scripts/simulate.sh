@@ -46,8 +46,9 @@ run_flower() {
 }
 # Ray occasionally fails to bring its raylet up within its fixed 30 s ("The current
 # node timed out during startup"), seen on busy and on idle 2-core machines alike.
-# That is a start-up failure before any round ran: retry (up to 4 attempts, waiting
-# 10, 20, 30 s between them), and say so with the machine's state. A resumed run
+# That is a start-up failure before any round ran: retry (up to 6 attempts, waiting
+# 10, 20, 30, 40, 50 s between them: a GCS that would not start stayed so for 2.5
+# minutes once, then came up), and say so with the machine's state. A resumed run
 # already has rounds in its folder: what counts is whether this attempt added one,
 # and a retry puts the folder back as it was before the first attempt.
 METRICS="$OUTPUT_DIR/$RUN_NAME/metrics.jsonl"
@@ -79,7 +80,7 @@ LINES_BEFORE="$(metrics_lines)"
 BEFORE="$FLWR_HOME/$RUN_NAME.before"
 rm -rf "$BEFORE"
 if [ -d "$OUTPUT_DIR/$RUN_NAME" ]; then cp -a "$OUTPUT_DIR/$RUN_NAME" "$BEFORE"; fi
-ATTEMPTS=4
+ATTEMPTS=6
 for attempt in $(seq 1 "$ATTEMPTS"); do
     run_flower
     if [ "$attempt" -lt "$ATTEMPTS" ] && ray_start_failed; then

@@ -80,8 +80,8 @@ def test_a_fresh_run_whose_ray_does_not_start_is_retried(tmp_path: Path) -> None
 
     # Assert
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Ray failed to start (attempt 1 of 4)" in proc.stderr
-    assert "Ray failed to start (attempt 2 of 4)" in proc.stderr
+    assert "Ray failed to start (attempt 1 of 6)" in proc.stderr
+    assert "Ray failed to start (attempt 2 of 6)" in proc.stderr
     assert "machine state after Ray failed to start" in proc.stderr
     assert _rounds(tmp_path) == [1, 2]
 
@@ -105,7 +105,7 @@ def test_a_resumed_run_whose_ray_does_not_start_is_retried_from_its_folder(
     # Assert: retried (rounds already in the folder did not hide the failure), from
     # the folder as it was, so rounds 3 and 4 ran once
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Ray failed to start (attempt 1 of 4)" in proc.stderr
+    assert "Ray failed to start (attempt 1 of 6)" in proc.stderr
     assert _rounds(tmp_path) == [1, 2, 3, 4]
     assert (run / "checkpoint.npz").read_text() == "round 4"
     assert not (tmp_path / "flwr-home" / "e2e.before").exists()
@@ -113,12 +113,12 @@ def test_a_resumed_run_whose_ray_does_not_start_is_retried_from_its_folder(
 
 def test_ray_that_never_starts_fails_the_script_with_the_reason(tmp_path: Path) -> None:
     # Execute
-    proc = _run(tmp_path, "fail fail fail fail", rounds=2)
+    proc = _run(tmp_path, "fail fail fail fail fail fail", rounds=2)
 
     # Assert: a non-zero status and the reason, not a report of an empty run
     assert proc.returncode == 1
-    assert "Ray failed to start in 4 attempts; no round ran" in proc.stderr
-    assert "Ray failed to start (attempt 3 of 4)" in proc.stderr
+    assert "Ray failed to start in 6 attempts; no round ran" in proc.stderr
+    assert "Ray failed to start (attempt 5 of 6)" in proc.stderr
 
 
 # A stand-in for the local SuperLink's tree: the SuperLink (its command line names
