@@ -109,7 +109,13 @@ FEDAVG_AGGREGATORS = (
     "trimmed-mean",
     "krum",
     "multi-krum",
+    "centered-clip",
+    "centered-clip+bucketing",
+    "trimmed-mean+nnm",
+    "centered-clip+nnm",
 )
+"""Aggregator labels of the weight schemes: ``<aggregator>[+<pre-aggregation>]``, or an
+ablation of the default ``mean`` (:data:`ABLATIONS`)."""
 FELO_MERGES = ("mean", "mean-unbounded", "median")
 SCHEME_AGGREGATORS = {
     "fedavg": FEDAVG_AGGREGATORS,
@@ -268,6 +274,8 @@ def cell_run_config(
     elif name in ABLATIONS:
         rule = "mean"
         config.update(ABLATIONS[name])
+    elif "+" in name:  # a buffered rule after a pre-aggregation
+        rule, config["pre-aggregation"] = name.split("+", 1)
     if cell.scheme == "felo":
         config["knowledge-merge"] = rule
     else:
@@ -593,6 +601,13 @@ COST_AGGREGATORS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "trimmed-mean": ("trimmed-mean", {"trim_fraction": 0.1}, False),
     "krum": ("krum", {"krum_byzantine": -1}, False),
     "multi-krum": ("multi-krum", {"krum_byzantine": -1}, False),
+    "centered-clip": ("centered-clip", {}, False),
+    "centered-clip+bucketing": ("centered-clip", {"pre_aggregation": "bucketing"}, False),
+    "trimmed-mean+nnm": (
+        "trimmed-mean",
+        {"trim_fraction": 0.1, "krum_byzantine": -1, "pre_aggregation": "nnm"},
+        False,
+    ),
 }
 """Label -> (aggregator, settings, whether a previous round's median is known).
 

@@ -31,6 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
+from strategies.core.mixing import PRE_AGGREGATIONS, PreAggregation
 from tessera.config import ConfigError, RunConfig
 
 Index = tuple[slice, ...]
@@ -192,6 +193,17 @@ class AggregatorSettings:
     threshold : float
         ``trust-threshold``: ``mean`` drops an update whose cosine with the server's
         own update on its pool is at most this (when the server computes one).
+    pre_aggregation : PreAggregation
+        ``pre-aggregation``: how the buffered rules mix the round's updates first
+        (:mod:`strategies.core.mixing`).
+    bucket_size : int
+        ``bucket-size``: updates per bucket (``pre-aggregation=bucketing``).
+    cc_tau : float
+        ``cc-tau``: the clipping radius of ``centered-clip`` (0: the median distance).
+    cc_iterations : int
+        ``cc-iterations``: how many times ``centered-clip`` moves its centre.
+    seed : int
+        The run's ``seed`` (the bucketing shuffle).
     """
 
     clip_factor: float = 0.0
@@ -201,6 +213,11 @@ class AggregatorSettings:
     growth: float = DEFAULT_GROWTH
     ceiling: float = 0.0
     threshold: float = 0.0
+    pre_aggregation: PreAggregation = "none"
+    bucket_size: int = 2
+    cc_tau: float = 0.0
+    cc_iterations: int = 3
+    seed: int = 0
 
     @classmethod
     def from_run(cls, run: RunConfig) -> AggregatorSettings:
@@ -213,6 +230,11 @@ class AggregatorSettings:
             growth=run.aggregation.bound_growth,
             ceiling=run.aggregation.clip_ceiling,
             threshold=run.aggregation.trust_threshold,
+            pre_aggregation=run.aggregation.pre_aggregation,
+            bucket_size=run.aggregation.bucket_size,
+            cc_tau=run.aggregation.cc_tau,
+            cc_iterations=run.aggregation.cc_iterations,
+            seed=run.seed,
         )
 
 
@@ -220,6 +242,8 @@ AggregatorFactory = Callable[[AggregatorSettings], Aggregator]
 
 
 _AGGREGATORS: dict[str, AggregatorFactory] = {}
+_MIXES: set[str] = set()
+"""Aggregators that keep the round's updates and so can mix them first."""
 
 
 def _load_aggregators() -> None:
@@ -228,11 +252,17 @@ def _load_aggregators() -> None:
     import strategies.core.robust  # noqa: F401
 
 
-def register_aggregator(name: str, factory: AggregatorFactory) -> None:
-    """Register an aggregator factory under ``name`` (a duplicate raises)."""
+def register_aggregator(name: str, factory: AggregatorFactory, *, mixes: bool = False) -> None:
+    """Register an aggregator factory under ``name`` (a duplicate raises).
+
+    ``mixes``: the aggregator keeps the round's updates and applies run-config
+    ``pre-aggregation`` to them (a streaming one refuses it).
+    """
     if name in _AGGREGATORS:
         raise ValueError(f"aggregator '{name}' is already registered")
     _AGGREGATORS[name] = factory
+    if mixes:
+        _MIXES.add(name)
 
 
 def list_aggregators() -> list[str]:
@@ -247,11 +277,24 @@ def get_aggregator(name: str, settings: AggregatorSettings | None = None) -> Agg
     Raises
     ------
     ConfigError
-        If no aggregator has that name; the message lists the known ones.
+        If no aggregator has that name (the message lists the known ones), or
+        ``pre-aggregation`` is unknown or asked of a streaming aggregator.
     """
     _load_aggregators()
     if name not in _AGGREGATORS:
         raise ConfigError(
             f"run-config 'aggregator' is '{name}'; use one of {', '.join(list_aggregators())}"
         )
-    return _AGGREGATORS[name](settings if settings is not None else AggregatorSettings())
+    chosen = settings if settings is not None else AggregatorSettings()
+    if chosen.pre_aggregation not in PRE_AGGREGATIONS:
+        raise ConfigError(
+            f"run-config 'pre-aggregation' is '{chosen.pre_aggregation}'; use one of "
+            f"{', '.join(PRE_AGGREGATIONS)}"
+        )
+    if chosen.pre_aggregation != "none" and name not in _MIXES:
+        raise ConfigError(
+            f"run-config 'pre-aggregation' is '{chosen.pre_aggregation}', but aggregator "
+            f"'{name}' streams the updates and cannot mix them; use an aggregator that keeps "
+            f"them ({', '.join(sorted(_MIXES))}) or pre-aggregation='none'"
+        )
+    return _AGGREGATORS[name](chosen)

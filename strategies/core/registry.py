@@ -191,6 +191,10 @@ WEIGHT_ONLY_KEYS = (
     "trust-threshold",
     "clip-norm",
     "krum-byzantine",
+    "pre-aggregation",
+    "bucket-size",
+    "cc-tau",
+    "cc-iterations",
 )
 """Run-config keys that only act on weight updates (the Aggregator seam and its bounds)."""
 

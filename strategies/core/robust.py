@@ -21,6 +21,13 @@ example weights (a node's claimed size cannot buy influence) and need full updat
 - ``krum``: the update whose summed squared distance to its ``k - f - 2`` nearest
   others is smallest, with ``f`` = ``krum-byzantine`` (Blanchard et al., 2017);
   ``multi-krum`` averages the ``k - f`` best-scored updates.
+- ``centered-clip``: centered clipping (Karimireddy et al., ICML 2021): starting from
+  the global model, ``cc-iterations`` times move the centre by the mean of the
+  updates' differences from it, each clipped to L2 radius ``cc-tau`` (0: the median
+  of those differences' norms, so the honest majority sets the radius).
+
+Run-config ``pre-aggregation`` (``nnm``, ``bucketing``; :mod:`strategies.core.mixing`)
+mixes the kept updates before any of these rules.
 """
 
 from __future__ import annotations
@@ -32,8 +39,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from strategies.core.aggregation import AggregationError
-from strategies.core.aggregators import Accumulator, AccumulatorReport, Index, register_aggregator
+from strategies.core.aggregators import (
+    Accumulator,
+    AccumulatorReport,
+    AggregatorSettings,
+    Index,
+    register_aggregator,
+)
 from strategies.core.mean import MeanAccumulator
+from strategies.core.mixing import Mixing, pairwise_sq_distances
+
+NO_MIXING = Mixing()
+"""The buffered rules' default: the updates as they came."""
 
 
 # ------------------------------------------------------------------------- pure maths
@@ -65,8 +82,13 @@ def trimmed_mean(stack: np.ndarray, trim: int) -> np.ndarray:
     return np.asarray(ordered[trim : k - trim].mean(axis=0))
 
 
-def krum_scores(vectors: np.ndarray, byzantine: int) -> np.ndarray:
+def krum_scores(
+    vectors: np.ndarray, byzantine: int, center: np.ndarray | None = None
+) -> np.ndarray:
     """Krum score of each row: summed squared distance to its ``k - f - 2`` nearest rows.
+
+    ``center`` (the global model) keeps the distances' digits
+    (:func:`strategies.core.mixing.pairwise_sq_distances`).
 
     Raises
     ------
@@ -79,11 +101,42 @@ def krum_scores(vectors: np.ndarray, byzantine: int) -> np.ndarray:
             f"Krum with f={byzantine} needs more than {2 * byzantine + 2} updates, got {k}; "
             "lower run-config 'krum-byzantine' or wait for more replies"
         )
-    sq = np.sum(vectors**2, axis=1)
-    dist = np.maximum(sq[:, None] + sq[None, :] - 2.0 * vectors @ vectors.T, 0.0)
+    dist = pairwise_sq_distances(vectors, center)
     np.fill_diagonal(dist, np.inf)
     nearest = np.sort(dist, axis=1)[:, : k - byzantine - 2]
     return np.asarray(nearest.sum(axis=1))
+
+
+def centered_clipping(
+    stack: np.ndarray, center: np.ndarray, tau: float, iterations: int
+) -> np.ndarray:
+    """Centered clipping: ``iterations`` times, ``v += mean_i clip(x_i - v, tau)``.
+
+    ``clip(d, tau)`` scales ``d`` down to L2 norm ``tau`` if longer. ``tau <= 0``
+    takes, at each iteration, the lower median of the norms ``|x_i - v|`` (the honest
+    majority's scale; a zero median leaves the centre where it is).
+
+    Raises
+    ------
+    AggregationError
+        If there is nothing to combine or ``iterations`` is below 1.
+    """
+    if stack.shape[0] == 0:
+        raise AggregationError("nothing to aggregate: no update was added")
+    if iterations < 1:
+        raise AggregationError(
+            f"centered clipping needs at least one iteration, got {iterations}; "
+            "set run-config 'cc-iterations'"
+        )
+    v = np.array(center, dtype=np.float64, copy=True)
+    for _ in range(iterations):
+        diff = stack - v
+        norms = np.sqrt(np.einsum("ij,ij->i", diff, diff))
+        radius = tau if tau > 0 else float(np.sort(norms)[(len(norms) - 1) // 2])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            factors = np.where(norms > radius, radius / norms, 1.0)
+        v = v + (diff * factors[:, None]).mean(axis=0)
+    return v
 
 
 def clip_to_norm(delta: np.ndarray, max_norm: float) -> tuple[np.ndarray, float]:
@@ -103,17 +156,22 @@ class BufferedAccumulator:
     ----------
     reference : Mapping[str, np.ndarray]
         The current global weights (names, shapes, dtypes of the result).
-    combine : Callable[[np.ndarray], np.ndarray]
-        Maps the ``(k, P)`` float64 stack of flattened floating entries to ``(P,)``.
+    combine : Callable[[np.ndarray, np.ndarray], np.ndarray]
+        Maps the ``(k, P)`` float64 stack of flattened floating entries and the
+        flattened global model (``(P,)``) to ``(P,)``.
+    mixing : Mixing
+        The pre-aggregation applied to the stack first (none by default).
     """
 
     def __init__(
         self,
         reference: Mapping[str, np.ndarray],
-        combine: Callable[[np.ndarray], np.ndarray],
+        combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        mixing: Mixing | None = None,
     ) -> None:
         self.reference = dict(reference)
         self.combine = combine
+        self.mixing = mixing if mixing is not None else Mixing()
         self.keys = [k for k, v in self.reference.items() if np.issubdtype(v.dtype, np.floating)]
         self._rows: list[np.ndarray] = []
 
@@ -166,7 +224,8 @@ class BufferedAccumulator:
         """
         if not self._rows:
             raise AggregationError("nothing to aggregate: no update was added")
-        combined = self.combine(np.stack(self._rows))
+        center = flatten(self.reference, self.keys)
+        combined = self.combine(self.mixing.apply(np.stack(self._rows), center), center)
         out: dict[str, np.ndarray] = {}
         offset = 0
         for key, ref in self.reference.items():
@@ -202,6 +261,7 @@ class MedianAggregator:
     """Coordinate-wise median (buffers the round's updates)."""
 
     name: str = "median"
+    mixing: Mixing = NO_MIXING
 
     def accumulator(
         self,
@@ -211,7 +271,9 @@ class MedianAggregator:
         direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
         """Return a buffered accumulator combining by the median."""
-        return BufferedAccumulator(reference, coordinate_median)
+        return BufferedAccumulator(
+            reference, lambda stack, _: coordinate_median(stack), self.mixing
+        )
 
 
 @dataclass(frozen=True)
@@ -220,6 +282,7 @@ class TrimmedMeanAggregator:
 
     trim_fraction: float = 0.1
     name: str = "trimmed-mean"
+    mixing: Mixing = NO_MIXING
 
     def accumulator(
         self,
@@ -231,10 +294,10 @@ class TrimmedMeanAggregator:
         """Return a buffered accumulator combining by the trimmed mean."""
         fraction = self.trim_fraction
 
-        def combine(stack: np.ndarray) -> np.ndarray:
+        def combine(stack: np.ndarray, _: np.ndarray) -> np.ndarray:
             return trimmed_mean(stack, math.ceil(fraction * stack.shape[0]))
 
-        return BufferedAccumulator(reference, combine)
+        return BufferedAccumulator(reference, combine, self.mixing)
 
 
 @dataclass(frozen=True)
@@ -244,6 +307,7 @@ class KrumAggregator:
     byzantine: int = 1
     multi: bool = False
     name: str = "krum"
+    mixing: Mixing = NO_MIXING
 
     def accumulator(
         self,
@@ -255,14 +319,45 @@ class KrumAggregator:
         """Return a buffered accumulator combining by (multi-)Krum."""
         f, multi = self.byzantine, self.multi
 
-        def combine(stack: np.ndarray) -> np.ndarray:
-            scores = krum_scores(stack, f)
+        def combine(stack: np.ndarray, center: np.ndarray) -> np.ndarray:
+            scores = krum_scores(stack, f, center)
             if not multi:
                 return np.asarray(stack[int(np.argmin(scores))])
             best = np.argsort(scores, kind="stable")[: stack.shape[0] - f]
             return np.asarray(stack[best].mean(axis=0))
 
-        return BufferedAccumulator(reference, combine)
+        return BufferedAccumulator(reference, combine, self.mixing)
+
+
+@dataclass(frozen=True)
+class CenteredClipAggregator:
+    """Centered clipping around the global model (buffers the round's updates).
+
+    Like the other buffered rules it ignores the example weights. It departs from
+    Karimireddy et al. (2021) in one point: the centre starts at the global model
+    each round (ByzFL's default, no server momentum), because the clients' local
+    training already averages over many steps.
+    """
+
+    tau: float = 0.0
+    iterations: int = 3
+    name: str = "centered-clip"
+    mixing: Mixing = NO_MIXING
+
+    def accumulator(
+        self,
+        reference: Mapping[str, np.ndarray],
+        *,
+        previous: AccumulatorReport | None = None,
+        direction: Mapping[str, np.ndarray] | None = None,
+    ) -> Accumulator:
+        """Return a buffered accumulator combining by centered clipping."""
+        tau, iterations = self.tau, self.iterations
+
+        def combine(stack: np.ndarray, center: np.ndarray) -> np.ndarray:
+            return centered_clipping(stack, center, tau, iterations)
+
+        return BufferedAccumulator(reference, combine, self.mixing)
 
 
 @dataclass(frozen=True)
@@ -283,10 +378,33 @@ class NormClipAggregator:
         return NormClipAccumulator(reference, self.max_norm)
 
 
-register_aggregator("median", lambda s: MedianAggregator())
-register_aggregator("trimmed-mean", lambda s: TrimmedMeanAggregator(s.trim_fraction))
-register_aggregator("krum", lambda s: KrumAggregator(s.krum_byzantine))
+def mixing_of(settings: AggregatorSettings) -> Mixing:
+    """Return the pre-aggregation the settings ask for."""
+    return Mixing(
+        kind=settings.pre_aggregation,
+        byzantine=settings.krum_byzantine,
+        bucket_size=settings.bucket_size,
+        seed=settings.seed,
+    )
+
+
+register_aggregator("median", lambda s: MedianAggregator(mixing=mixing_of(s)), mixes=True)
 register_aggregator(
-    "multi-krum", lambda s: KrumAggregator(s.krum_byzantine, multi=True, name="multi-krum")
+    "trimmed-mean",
+    lambda s: TrimmedMeanAggregator(s.trim_fraction, mixing=mixing_of(s)),
+    mixes=True,
+)
+register_aggregator(
+    "krum", lambda s: KrumAggregator(s.krum_byzantine, mixing=mixing_of(s)), mixes=True
+)
+register_aggregator(
+    "multi-krum",
+    lambda s: KrumAggregator(s.krum_byzantine, multi=True, name="multi-krum", mixing=mixing_of(s)),
+    mixes=True,
+)
+register_aggregator(
+    "centered-clip",
+    lambda s: CenteredClipAggregator(s.cc_tau, s.cc_iterations, mixing=mixing_of(s)),
+    mixes=True,
 )
 register_aggregator("norm-clip", lambda s: NormClipAggregator(s.clip_norm))

@@ -46,3 +46,7 @@ head."""
 AttackPerturbation = Literal["std", "sign", "unit"]
 ATTACK_PERTURBATIONS: tuple[AttackPerturbation, ...] = get_args(AttackPerturbation)
 """Min-max/min-sum perturbation directions (run-config ``attack-perturbation``)."""
+PreAggregation = Literal["none", "nnm", "bucketing"]
+PRE_AGGREGATIONS: tuple[PreAggregation, ...] = get_args(PreAggregation)
+"""How the aggregators that keep the round's updates mix them before their rule
+(run-config ``pre-aggregation``): not at all, nearest-neighbour mixing, bucketing."""

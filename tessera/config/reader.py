@@ -77,6 +77,8 @@ LIMITS: dict[str, Limit] = {
     "min-train-nodes": Limit(MAX_NODES, f"use 1 to {MAX_NODES} nodes"),
     "min-replies": Limit(MAX_NODES, f"use 1 to {MAX_NODES} replies"),
     "krum-byzantine": Limit(MAX_NODES, f"use 0 to {MAX_NODES} hostile nodes to tolerate"),
+    "bucket-size": Limit(MAX_NODES, f"use 1 to {MAX_NODES} updates per bucket"),
+    "cc-iterations": Limit(1_000, "use 1 to 1000 iterations"),
     # data and model sizes
     "classes-per-client": Limit(100_000, "use 1 to 100000 classes"),
     "local-epochs": Limit(1_000, "use 1 to 1000 local epochs"),

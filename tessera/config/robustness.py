@@ -14,8 +14,10 @@ from tessera.config.choices import (
     ATTACK_PERTURBATIONS,
     ATTACKS,
     KNOWLEDGE_MERGES,
+    PRE_AGGREGATIONS,
     AttackPerturbation,
     KnowledgeMerge,
+    PreAggregation,
 )
 from tessera.config.groups import Group
 from tessera.config.reader import (
@@ -59,6 +61,14 @@ class AggregationConfig(Group):
         How per-client knowledge (features, logits, kernels) is merged.
     knowledge_clip_factor : float
         The bound on a knowledge row's norm, as a multiple of the median; 0 off.
+    pre_aggregation : PreAggregation
+        How the buffered aggregators mix the round's updates first.
+    bucket_size : int
+        Updates per bucket of ``pre-aggregation=bucketing``.
+    cc_tau : float
+        The clipping radius of ``centered-clip``; 0 the median distance.
+    cc_iterations : int
+        How many times ``centered-clip`` moves its centre.
     """
 
     aggregator: str
@@ -73,6 +83,10 @@ class AggregationConfig(Group):
     trust_threshold: float
     knowledge_merge: KnowledgeMerge
     knowledge_clip_factor: float
+    pre_aggregation: PreAggregation
+    bucket_size: int
+    cc_tau: float
+    cc_iterations: int
 
     @classmethod
     def read(cls, r: ConfigReader) -> AggregationConfig:
@@ -90,6 +104,10 @@ class AggregationConfig(Group):
             trust_threshold=r.get("trust-threshold", float),
             knowledge_merge=cast("KnowledgeMerge", r.get("knowledge-merge", str).strip().lower()),
             knowledge_clip_factor=r.get("knowledge-clip-factor", float),
+            pre_aggregation=cast("PreAggregation", r.get("pre-aggregation", str).strip().lower()),
+            bucket_size=r.get("bucket-size", int),
+            cc_tau=r.get("cc-tau", float),
+            cc_iterations=r.get("cc-iterations", int),
         )
 
     def validate(self) -> None:
@@ -150,6 +168,30 @@ class AggregationConfig(Group):
             self.trust_threshold,
             "use a cosine in [-1, 1), e.g. 0 (drop updates that point away from the "
             "server's own update); switch the check off with server-trust=false",
+        )
+        require(
+            self.pre_aggregation in PRE_AGGREGATIONS,
+            "pre-aggregation",
+            self.pre_aggregation,
+            f"use one of {', '.join(PRE_AGGREGATIONS)}",
+        )
+        require(
+            self.bucket_size >= 1,
+            "bucket-size",
+            self.bucket_size,
+            "use 1 or more updates per bucket, e.g. 2",
+        )
+        require(
+            self.cc_tau >= 0,
+            "cc-tau",
+            self.cc_tau,
+            "use 0 (the median distance) or a positive L2 radius",
+        )
+        require(
+            self.cc_iterations >= 1,
+            "cc-iterations",
+            self.cc_iterations,
+            "use 1 or more iterations, e.g. 3",
         )
 
 
