@@ -28,7 +28,10 @@ Usage::
 
     .venv/bin/python benchmarks/aggregation.py [--params 1000000] [--clients 100]
         [--memory-updates 1000] [--buffered-updates 100] [--fedfa-clients 10,100]
-        [--fedfa-params 1000000] [--repeats 7] [--out DIR]
+        [--fedfa-params 1000000] [--repeats 7] [--blocks 512,8192] [--out DIR]
+
+``--blocks`` adds a table: the default bounded ``mean`` with the compiled pass at
+each block size (:data:`strategies.core.fused.BLOCK`), against torch in place.
 """
 
 from __future__ import annotations
@@ -206,21 +209,17 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
-    """Time the three contenders on the same updates (see the module docstring)."""
-    shapes = model_shapes(params)
-    updates = [make_update(shapes, seed) for seed in range(clients)]
-    weights = [float(10 + (7 * i) % 50) for i in range(clients)]
-    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    folded = clients * model_bytes(updates[0]) / 1e9
-    ours = streaming_mean(reference, updates, weights)
-    torch_out = torch_reference(updates, weights)
-    diff = max(float(np.max(np.abs(ours[k] - torch_out[k]))) for k in shapes)
-    # the bounded contender folds around a global model the updates are near (as in
-    # training): the same updates plus a common part, read as global + (update +
-    # 2 common) / 100, with the common part as the server's own direction (so the
-    # direction check keeps them, as in a clean round) and a scale that clips about
-    # one in ten of them
+def bounded_round(
+    shapes: Mapping[str, tuple[int, ...]], updates: Sequence[Model]
+) -> tuple[Model, Model, list[Model], float]:
+    """Return the global model, direction, updates and scale of a bounded round.
+
+    The bounded contender folds around a global model the updates are near (as in
+    training): the same updates plus a common part, read as global + (update + 2
+    common) / 100, with the common part as the server's own direction (so the
+    direction check keeps them, as in a clean round) and a scale that clips about
+    one in ten of them.
+    """
     rng = np.random.default_rng(0)
     global_model = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     common = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -231,6 +230,72 @@ def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
     ]
     distances = sorted(update_distances(u, global_model, {})["parameters"] for u in near)
     scale = distances[int(0.9 * (len(distances) - 1))] / BOUND_FACTOR
+    return global_model, direction, near, scale
+
+
+def measure_blocks(
+    params: int, clients: int, repeats: int, blocks: Sequence[int]
+) -> list[tuple[str, float]]:
+    """GB/s of torch in place and of the default bounded ``mean`` at each compiled block size.
+
+    Interleaved like :func:`measure_throughput` (best of ``repeats`` kept), so the
+    ratios compare block sizes under the same machine state.
+    """
+    shapes = model_shapes(params)
+    updates = [make_update(shapes, seed) for seed in range(clients)]
+    weights = [float(10 + (7 * i) % 50) for i in range(clients)]
+    folded = clients * model_bytes(updates[0]) / 1e9
+    global_model, direction, near, scale = bounded_round(shapes, updates)
+    default = fused.BLOCK
+
+    def at(block: int) -> Callable[[], object]:
+        def run() -> object:
+            fused.BLOCK = block
+            try:
+                return bounded_mean(global_model, near, weights, scale, direction)
+            finally:
+                fused.BLOCK = default
+
+        return run
+
+    contenders: dict[str, Callable[[], object]] = {
+        "torch in place (reference)": lambda: torch_reference(updates, weights)
+    }
+    contenders.update({f"bounded `mean`, block {b:,}": at(b) for b in blocks})
+    seconds = dict.fromkeys(contenders, float("inf"))
+    for run in contenders.values():  # compile and warm up once
+        run()
+    for _ in range(repeats):
+        for name, run in contenders.items():
+            seconds[name] = min(seconds[name], best_seconds(run, 1))
+    return [(name, folded / s) for name, s in seconds.items()]
+
+
+def blocks_table(rows: Sequence[tuple[str, float]], params: int, clients: int) -> str:
+    """Return the Markdown table of :func:`measure_blocks`."""
+    reference = rows[0][1]
+    lines = [
+        f"Block size of the compiled pass: {clients} float32 updates of {params:,} parameters "
+        f"(default `strategies.core.fused.BLOCK` = {fused.BLOCK:,})",
+        "",
+        "| aggregation | GB/s | / torch in place |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {name} | {gbs:.2f} | {gbs / reference:.2f} |" for name, gbs in rows]
+    return "\n".join(lines) + "\n"
+
+
+def measure_throughput(params: int, clients: int, repeats: int) -> Throughput:
+    """Time the three contenders on the same updates (see the module docstring)."""
+    shapes = model_shapes(params)
+    updates = [make_update(shapes, seed) for seed in range(clients)]
+    weights = [float(10 + (7 * i) % 50) for i in range(clients)]
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    folded = clients * model_bytes(updates[0]) / 1e9
+    ours = streaming_mean(reference, updates, weights)
+    torch_out = torch_reference(updates, weights)
+    diff = max(float(np.max(np.abs(ours[k] - torch_out[k]))) for k in shapes)
+    global_model, direction, near, scale = bounded_round(shapes, updates)
     clipped = MeanAggregator(clip_factor=BOUND_FACTOR, ceiling=4.0).accumulator(
         global_model,
         previous=AccumulatorReport(medians={"parameters": scale}),
@@ -499,8 +564,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=20,
         help="updates per round in the aggregators' round-cost table (Krum is quadratic)",
     )
+    parser.add_argument(
+        "--blocks",
+        default="",
+        help="also time the default bounded mean at these compiled block sizes, e.g. "
+        "512,8192 (needs numba)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-aggregation")
     args = parser.parse_args(argv)
+    try:
+        args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--blocks is '{args.blocks}'; give sizes like 512,8192")
+    if any(b < 1 for b in args.blocks):
+        parser.error("--blocks needs positive sizes, e.g. 512,8192")
     for name in (
         "params",
         "clients",
@@ -542,6 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     costs = measure_round_costs(args.params, args.robust_clients, max(1, args.repeats // 2))
     text = table(throughput, memories) + "\n" + cost_table(costs, args.params, args.robust_clients)
+    if args.blocks and fused.available():
+        rows = measure_blocks(args.params, args.clients, args.repeats, args.blocks)
+        text += "\n" + blocks_table(rows, args.params, args.clients)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text)
