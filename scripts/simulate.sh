@@ -3,9 +3,12 @@
 # the per-round results table. Leaves no process behind.
 #
 #   scripts/simulate.sh [--nodes N] [--run-config "key=value ..."] [--run-name NAME]
+#                       [--ray-address HOST:PORT]
 #
 # Defaults: 6 simulated nodes emulating a mixed fleet (run-config
 # sim-device-profiles), the scheme and data in pyproject.toml [tool.flwr.app.config].
+# --ray-address: run the nodes on an existing Ray cluster (its head's GCS address,
+# from `ray start --head`) instead of a Ray started for this run on this machine.
 # Environment: FLWR_HOME_SIM (Flower's home), SIMULATE_RETRY_WAIT (seconds, times the
 # attempt, between start attempts; 10), TESSERA_FLWR (the flwr command; tests).
 set -euo pipefail
@@ -14,6 +17,7 @@ cd "$ROOT"
 NODES=6
 RUN_CONFIG=""
 RUN_NAME="sim-$(date +%Y%m%d-%H%M%S)"
+RAY_CLUSTER=""
 OUTPUT_DIR="$ROOT/results"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -21,11 +25,20 @@ while [ $# -gt 0 ]; do
         --run-config) RUN_CONFIG="$2"; shift 2 ;;
         --run-name) RUN_NAME="$2"; shift 2 ;;
         --output-dir) OUTPUT_DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        --ray-address) RAY_CLUSTER="$2"; shift 2 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "simulate.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
 case "$NODES" in ''|*[!0-9]*) echo "simulate.sh: --nodes must be a positive integer, got '$NODES'" >&2; exit 2 ;; esac
+
+case "$RAY_CLUSTER" in
+    '') ;;
+    *:*[!0-9]*|*:|:*|*[!A-Za-z0-9.:_-]*)
+        echo "simulate.sh: --ray-address must be HOST:PORT of a Ray head's GCS (as printed by 'ray start --head'), got '$RAY_CLUSTER'" >&2; exit 2 ;;
+    *:*) ;;
+    *) echo "simulate.sh: --ray-address must be HOST:PORT of a Ray head's GCS (as printed by 'ray start --head'), got '$RAY_CLUSTER'" >&2; exit 2 ;;
+esac
 
 bash scripts/setup.sh
 # shellcheck source=scripts/flower-env.sh
@@ -35,6 +48,15 @@ mkdir -p "$FLWR_HOME"
 FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
 export FLWR_LOCAL_CONTROL_API_PORT
 trap 'stop_local_superlink "$FLWR_HOME"' EXIT INT TERM
+# Flower's Ray backend calls ray.init() in flwr-simulation, which the SuperLink
+# starts with this environment: RAY_ADDRESS makes it join that cluster (and leave
+# it running at the end) instead of starting a Ray of its own.
+if [ -n "$RAY_CLUSTER" ]; then
+    export RAY_ADDRESS="$RAY_CLUSTER"
+    echo "simulate.sh: the nodes run on the Ray cluster at $RAY_CLUSTER"
+else
+    unset RAY_ADDRESS
+fi
 
 LOG="$FLWR_HOME/$RUN_NAME.log"
 run_flower() {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -230,10 +230,11 @@ def single_thread_torch() -> Iterator[None]:
         yield
 
 
-def simulate(tmp_path: Path, run_config: str, *, nodes: int = 3) -> Path:
+def simulate(tmp_path: Path, run_config: str, *, nodes: int = 3, extra: Sequence[str] = ()) -> Path:
     """Run ``scripts/simulate.sh`` (real Flower simulation) and return the run's folder.
 
-    Asserts that the script succeeded and left no process behind.
+    ``extra``: more arguments of the script (e.g. ``--ray-address``). Asserts that the
+    script succeeded and left no process behind.
     """
     import os
     import subprocess
@@ -252,6 +253,7 @@ def simulate(tmp_path: Path, run_config: str, *, nodes: int = 3) -> Path:
             str(out),
             "--run-config",
             run_config,
+            *extra,
         ],
         cwd=root,
         capture_output=True,

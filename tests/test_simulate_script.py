@@ -46,11 +46,15 @@ with metrics.open("a") as fh:
 (run / "config.json").write_text(json.dumps({{"run_config": {{"num-server-rounds": target}}}}))
 (run / "summary.json").write_text(json.dumps({{"rounds": target}}))
 (run / "checkpoint.npz").write_text("round " + str(target))
+(run / "ray-address").write_text(os.environ.get("RAY_ADDRESS", "<unset>"))
 """
 
 
-def _run(tmp_path: Path, plan: str, rounds: int) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, plan: str, rounds: int, *extra: str, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the real script with the stand-in ``flwr`` playing ``plan`` (one step per attempt)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     fake = tmp_path / "flwr"
     fake.write_text(FAKE_FLWR.format(python=sys.executable))
     fake.chmod(0o755)
@@ -64,8 +68,9 @@ def _run(tmp_path: Path, plan: str, rounds: int) -> subprocess.CompletedProcess[
         "FAKE_ROUNDS": str(rounds),
         "FLWR_HOME_SIM": str(tmp_path / "flwr-home"),
         "SIMULATE_RETRY_WAIT": "0",
+        **(env_extra or {}),
     }
-    cmd = ["bash", "scripts/simulate.sh", "--run-name", "e2e", "--output-dir", str(out)]
+    cmd = ["bash", "scripts/simulate.sh", "--run-name", "e2e", "--output-dir", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -119,6 +124,26 @@ def test_ray_that_never_starts_fails_the_script_with_the_reason(tmp_path: Path) 
     assert proc.returncode == 1
     assert "Ray failed to start in 6 attempts; no round ran" in proc.stderr
     assert "Ray failed to start (attempt 5 of 6)" in proc.stderr
+
+
+def test_ray_address_reaches_flower_and_a_stray_one_does_not(tmp_path: Path) -> None:
+    # Execute: with --ray-address, and without it but with RAY_ADDRESS in the caller's env
+    joined = _run(tmp_path / "a", "ok", 1, "--ray-address", "10.1.2.3:6379")
+    alone = _run(tmp_path / "b", "ok", 1, env_extra={"RAY_ADDRESS": "10.9.9.9:1"})
+
+    # Assert: Flower (and the SuperLink it starts) sees the cluster only when asked
+    assert joined.returncode == 0, joined.stderr[-2000:]
+    assert (tmp_path / "a" / "results" / "e2e" / "ray-address").read_text() == "10.1.2.3:6379"
+    assert "the nodes run on the Ray cluster at 10.1.2.3:6379" in joined.stdout
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert (tmp_path / "b" / "results" / "e2e" / "ray-address").read_text() == "<unset>"
+
+
+def test_a_malformed_ray_address_is_refused_by_value(tmp_path: Path) -> None:
+    for bad in ("head-without-port", "head:", ":6379", "head:63x9", "a b:1"):
+        proc = _run(tmp_path, "ok", 1, "--ray-address", bad)
+        assert proc.returncode == 2, bad
+        assert "--ray-address must be HOST:PORT" in proc.stderr and bad in proc.stderr
 
 
 # A stand-in for the local SuperLink's tree: the SuperLink (its command line names
