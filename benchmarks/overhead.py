@@ -17,7 +17,8 @@ Usage::
     .venv/bin/python benchmarks/overhead.py [--modes sim,deploy] [--rounds 6]
         [--nodes 3] [--repeats 2]
 
-Prints a table and writes ``results/bench-overhead/overhead.json``.
+Prints a table and writes ``results/bench-overhead/overhead.json``; a second table
+splits a node's round in Tessera's loop into its phases (:mod:`tessera.phases`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,38 @@ def summarise(records: list[list[dict[str, Any]]]) -> dict[str, float]:
     }
 
 
+PHASE_ORDER = ("queued", "start", "data", "model", "train", "evaluate", "reply", "return")
+"""The phases of a node's round (:mod:`tessera.phases`), in order."""
+
+
+def mean_client_phases(records: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """Mean seconds per node of each phase over rounds >= 2 (Tessera's own loop only)."""
+    rows = [
+        r["client_phase_seconds"]
+        for run in records
+        for r in run
+        if r["round"] >= 2 and r.get("client_phase_seconds")
+    ]
+    return {
+        p: statistics.mean(row.get(p, 0.0) for row in rows)
+        for p in PHASE_ORDER
+        if any(p in row for row in rows)
+    }
+
+
+def phase_table(phases: dict[str, dict[str, float]]) -> str:
+    """Markdown table: one row per mode, one column per phase of a node's round."""
+    shown = [p for p in PHASE_ORDER if any(p in by for by in phases.values())]
+    lines = [
+        "| mode | " + " | ".join(shown) + " | sum |",
+        "|---|" + "---:|" * (len(shown) + 1),
+    ]
+    for mode, by in phases.items():
+        cells = " | ".join(f"{by.get(p, 0.0):.2f}" for p in shown)
+        lines.append(f"| {mode} | {cells} | {sum(by.values()):.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     """Run the benchmark and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,6 +142,7 @@ def main() -> int:
     out = args.out / stamp
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
+    phases: dict[str, dict[str, float]] = {}
     for mode in modes:
         runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in SCHEMES}
         for rep in range(args.repeats):
@@ -125,6 +159,7 @@ def main() -> int:
                     )
                 )
         results[mode] = {s: summarise(r) for s, r in runs.items()}
+        phases[mode] = mean_client_phases(runs["fedavg"])
     print(
         f"\nFramework overhead per round ({args.nodes} nodes, {args.arch}, digits, "
         f"rounds 2..{args.rounds}, {args.repeats} repeats, alternating)"
@@ -143,7 +178,14 @@ def main() -> int:
                 f"{s['slowest_train_seconds']:.2f} | {s['overhead_seconds']:.2f} | {ratio_s} |"
             )
         results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
-    (out / "overhead.json").write_text(json.dumps(results, indent=2))
+    print(
+        "\nWhere a node's round goes in Tessera's loop (mean seconds per node and round, "
+        "rounds >= 2; metrics.jsonl `client_phase_seconds`): queued = the server's send "
+        "and the SuperNode's pull wait, start = a fresh ClientApp's start and imports, "
+        "return = the reply's way back to the server"
+    )
+    print(phase_table(phases))
+    (out / "overhead.json").write_text(json.dumps({**results, "phases": phases}, indent=2))
     print(f"\nwritten to {out / 'overhead.json'}")
     return 0
 

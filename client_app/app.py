@@ -24,6 +24,8 @@ around any scheme's client.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,7 @@ from strategies.core.client import (
     STATE_MODEL,
     STATE_MODEL_META,
     ClientAlgorithm,
+    Record,
     RoundInput,
     RoundOutcome,
     load_state_record,
@@ -54,6 +57,13 @@ from tessera.data import (
     node_partition_data,
 )
 from tessera.node_state import NodeState
+from tessera.phases import (
+    CLIENT_PHASES,
+    PhaseClock,
+    arrival_phases,
+    metric_key,
+    process_start_time,
+)
 from tessera.training import (
     OptimConfig,
     evaluate_model,
@@ -404,6 +414,8 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm[Any])
     """
     from strategies import resolve_run
 
+    entered = time.time()
+    clock = PhaseClock()
     run = resolve_run(context.run_config).run
     node = NodeConfig.from_flower(context.node_config)
     content = msg.content
@@ -413,6 +425,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm[Any])
     expect_classes, expect_shape = _announced_task(config)
     data = load_node_data(run, node, expect_shape=expect_shape, expect_classes=expect_classes)
     train_set, test_set = algorithm.prepare_data(data.train, data.test)
+    clock.lap("data")
     num_classes, input_shape = _task_shape(config, data)
     rnd = RoundInput(
         server_round=server_round,
@@ -430,6 +443,7 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm[Any])
     algorithm.load_weights(model, rnd, state)
     model.to(device)
     algorithm.begin_round(model, rnd, state)
+    clock.lap("model")
     stats = train_model(
         model,
         train_set,
@@ -444,7 +458,9 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm[Any])
         seed=run.seed + 7919 * server_round + data.data_key,
         loss_fn=algorithm.loss_fn(),
     )
+    clock.lap("train")
     test_loss, test_acc = evaluate_model(model, test_set, batch_size=256, device=device)
+    clock.lap("evaluate")
     outcome = RoundOutcome(
         stats=stats,
         test_loss=test_loss,
@@ -456,7 +472,30 @@ def train_round(msg: Message, context: Context, algorithm: ClientAlgorithm[Any])
     records = algorithm.finish_round(model, rnd, outcome, state)
     algorithm.save_state(model, rnd, state)
     state.save(server_round)
-    return Message(RecordDict(dict(records)), reply_to=msg)
+    clock.lap("reply")
+    return Message(RecordDict(with_phases(records, msg, entered, clock)), reply_to=msg)
+
+
+def with_phases(
+    records: Mapping[str, Record], msg: Message, entered: float, clock: PhaseClock
+) -> dict[str, Record]:
+    """Add this round's phases (:mod:`tessera.phases`) to the reply's metrics record.
+
+    ``queued`` and ``start`` come from the instruction's creation, this process's
+    start and the handler's entry (``entered``, UNIX time); the others from
+    ``clock``. A reply without a metrics record is returned as it is.
+    """
+    out = dict(records)
+    metrics = out.get(wire.METRICS)
+    if not isinstance(metrics, MetricRecord):
+        return out
+    seconds = arrival_phases(float(msg.metadata.created_at), entered, process_start_time())
+    seconds.update(clock.seconds)
+    timed = MetricRecord(dict(metrics))
+    for phase in CLIENT_PHASES:
+        timed[metric_key(phase)] = round(float(seconds.get(phase, 0.0)), 6)
+    out[wire.METRICS] = timed
+    return out
 
 
 @app.evaluate()

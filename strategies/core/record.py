@@ -20,6 +20,7 @@ from strategies.core.context import RoundContext
 from strategies.core.nodes import NodeTable
 from strategies.core.validation import ClientReply
 from tessera import wire
+from tessera.phases import CLIENT_PHASES, RETURN, metric_key
 
 if TYPE_CHECKING:
     from models.spec import ModelRef
@@ -70,7 +71,24 @@ def client_entry(
             if wire.SHARED_ACCURACY in metrics
             else {}
         ),
+        "phases": client_phases(reply),
     }
+
+
+def client_phases(reply: ClientReply) -> dict[str, float]:
+    """Return the phases of one reply (:mod:`tessera.phases`): the node's own, then the way back."""
+    own = {p: reply.metrics[metric_key(p)] for p in CLIENT_PHASES if metric_key(p) in reply.metrics}
+    return {**own, RETURN: round(reply.returned, 6)}
+
+
+def mean_phases(clients: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds of each phase over the replies that report it, in phase order."""
+    out: dict[str, float] = {}
+    for phase in (*CLIENT_PHASES, RETURN):
+        values = [c["phases"][phase] for c in clients if phase in c.get("phases", {})]
+        if values:
+            out[phase] = round(float(np.mean(values)), 4)
+    return out
 
 
 def round_record(
@@ -152,6 +170,7 @@ def round_record(
         "slowest_train_seconds": slowest,
         "overhead_seconds": seconds - slowest,
         "phase_seconds": {k: round(v, 4) for k, v in ctx.phases.items()},
+        "client_phase_seconds": mean_phases(clients),
         "server_memory_mb": server_memory_mb(),
         **dict(extra),
     }

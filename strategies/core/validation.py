@@ -8,6 +8,7 @@ are logged and counted by the strategy base; they never raise.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from tessera import wire
+from tessera.phases import MAX_PHASE_SECONDS, PHASE_METRICS, return_seconds
 
 ArraySpec = Mapping[str, tuple[tuple[int, ...], str]]
 """Expected ``name -> (shape, dtype name)`` of an architecture's arrays."""
@@ -52,6 +54,9 @@ class ClientReply:
     bytes_up: int
     bytes_down: int
     max_weight: float | None = None
+    returned: float = 0.0
+    """Seconds from the reply's creation at the node to its validation here (the way
+    back: the SuperNode's push, the server's pull; :func:`tessera.phases.return_seconds`)."""
 
     @property
     def num_examples(self) -> int:
@@ -144,6 +149,7 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
     wire.TEST_LOSS: (0.0, math.inf),
     wire.TRAIN_SECONDS: (0.0, math.inf),
     wire.NUM_TEST_EXAMPLES: (0.0, math.inf),
+    **dict.fromkeys(PHASE_METRICS, (0.0, MAX_PHASE_SECONDS)),
 }
 """Closed ranges of the common train metrics (a value outside is a bad reply)."""
 
@@ -301,4 +307,13 @@ def validate_reply(
         bytes_up=wire.payload_bytes(content),
         bytes_down=bytes_down.get(node_id, 0),
         max_weight=None if limit is None else limit.max_weight,
+        returned=return_seconds(_created_at(reply), time.time()),
     )
+
+
+def _created_at(reply: Message) -> float:
+    """Return the reply's creation time as the node stamped it (NaN if not a number)."""
+    try:
+        return float(reply.metadata.created_at)
+    except (TypeError, ValueError, AttributeError):
+        return math.nan
