@@ -7,6 +7,7 @@ parsing and the Aggregator seam.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from strategies.core.mixing import (
     nearest_neighbour_mixing,
     pairwise_sq_distances,
 )
-from strategies.core.robust import centered_clipping, krum_scores
+from strategies.core.robust import centered_clipping, krum_scores, median_radius
 from tessera.config import ConfigError, RunConfig
 
 byzfl = pytest.importorskip("byzfl")
@@ -71,13 +72,39 @@ def test_centered_clipping_by_hand() -> None:
     np.testing.assert_allclose(centered_clipping(rows, center, 3.0, 1), [2.0])
     # second iteration from 2: -1, 0, 98 -> -1, 0, 3: 2 + 2/3
     np.testing.assert_allclose(centered_clipping(rows, center, 3.0, 2), [2.0 + 2.0 / 3.0])
-    # tau 0: the lower median of 1, 2, 100 is 2: 1, 2, 2 -> 5/3
-    np.testing.assert_allclose(centered_clipping(rows, center, 0.0, 1), [5.0 / 3.0])
 
 
-def test_centered_clipping_refuses_no_iteration() -> None:
+def test_median_radius_by_hand() -> None:
+    rows = np.array([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0], [0.0, 0.0]])
+    # distances from (0, 0): 5, 1, 10, 0: lower median 1
+    assert median_radius(rows, np.zeros(2)) == 1.0
+    assert median_radius(rows, np.array([3.0, 4.0])) == pytest.approx(
+        math.sqrt(18.0)
+    )  # 0, 4.2, 5, 5
+
+
+def test_centered_clipping_refuses_no_iteration_and_no_radius() -> None:
     with pytest.raises(AggregationError, match="cc-iterations"):
         centered_clipping(ROWS, np.zeros(1), 1.0, 0)
+    for tau in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(AggregationError, match="cc-tau"):
+            centered_clipping(ROWS, np.zeros(1), tau, 1)
+
+
+def test_the_default_radius_comes_from_the_updates_before_bucketing() -> None:
+    # Prepare: 7 honest updates at distance 1, 3 hostile ones at 1e6 (3 of 10: with
+    # buckets of 2 most bucket means hold a hostile one, and their median is huge)
+    rng = np.random.default_rng(0)
+    honest = [np.array([np.cos(a), np.sin(a)]) for a in rng.uniform(0, 0.3, 7)]
+    hostile = [np.array([-1e6, 0.0])] * 3
+    settings = AggregatorSettings(pre_aggregation="bucketing", bucket_size=2, seed=0)
+
+    # Execute
+    out = _aggregate("centered-clip", settings, honest + hostile)
+
+    # Assert: every clipped difference is at most the honest radius 1, so the model
+    # moves by at most 1 per iteration (3), never by the hostile 1e6
+    assert np.linalg.norm(out) <= 3.0 + 1e-6
 
 
 def test_distances_relative_to_the_global_model_keep_their_digits() -> None:

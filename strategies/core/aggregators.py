@@ -199,7 +199,8 @@ class AggregatorSettings:
     bucket_size : int
         ``bucket-size``: updates per bucket (``pre-aggregation=bucketing``).
     cc_tau : float
-        ``cc-tau``: the clipping radius of ``centered-clip`` (0: the median distance).
+        ``cc-tau``: the clipping radius of ``centered-clip`` (0: the median distance
+        of the round's updates from the global model).
     cc_iterations : int
         ``cc-iterations``: how many times ``centered-clip`` moves its centre.
     seed : int

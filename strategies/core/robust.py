@@ -24,7 +24,8 @@ example weights (a node's claimed size cannot buy influence) and need full updat
 - ``centered-clip``: centered clipping (Karimireddy et al., ICML 2021): starting from
   the global model, ``cc-iterations`` times move the centre by the mean of the
   updates' differences from it, each clipped to L2 radius ``cc-tau`` (0: the median
-  of those differences' norms, so the honest majority sets the radius).
+  distance of the round's updates from the global model, as they came, so the
+  honest majority sets the radius: :func:`median_radius`).
 
 Run-config ``pre-aggregation`` (``nnm``, ``bucketing``; :mod:`strategies.core.mixing`)
 mixes the kept updates before any of these rules.
@@ -112,14 +113,15 @@ def centered_clipping(
 ) -> np.ndarray:
     """Centered clipping: ``iterations`` times, ``v += mean_i clip(x_i - v, tau)``.
 
-    ``clip(d, tau)`` scales ``d`` down to L2 norm ``tau`` if longer. ``tau <= 0``
-    takes, at each iteration, the lower median of the norms ``|x_i - v|`` (the honest
-    majority's scale; a zero median leaves the centre where it is).
+    ``clip(d, tau)`` scales ``d`` down to L2 norm ``tau`` if longer; ``v`` starts at
+    ``center``. See :func:`median_radius` for the radius the aggregator uses when
+    run-config ``cc-tau`` is 0.
 
     Raises
     ------
     AggregationError
-        If there is nothing to combine or ``iterations`` is below 1.
+        If there is nothing to combine, ``tau`` is not positive and finite or
+        ``iterations`` is below 1.
     """
     if stack.shape[0] == 0:
         raise AggregationError("nothing to aggregate: no update was added")
@@ -128,15 +130,32 @@ def centered_clipping(
             f"centered clipping needs at least one iteration, got {iterations}; "
             "set run-config 'cc-iterations'"
         )
+    if not (math.isfinite(tau) and tau > 0):
+        raise AggregationError(
+            f"centered clipping needs a positive, finite radius, got {tau:g}; set run-config "
+            "'cc-tau' (0: the median distance of the round's updates)"
+        )
     v = np.array(center, dtype=np.float64, copy=True)
     for _ in range(iterations):
         diff = stack - v
         norms = np.sqrt(np.einsum("ij,ij->i", diff, diff))
-        radius = tau if tau > 0 else float(np.sort(norms)[(len(norms) - 1) // 2])
         with np.errstate(divide="ignore", invalid="ignore"):
-            factors = np.where(norms > radius, radius / norms, 1.0)
+            factors = np.where(norms > tau, tau / norms, 1.0)
         v = v + (diff * factors[:, None]).mean(axis=0)
     return v
+
+
+def median_radius(rows: np.ndarray, center: np.ndarray) -> float:
+    """Return the lower median of the rows' L2 distances from ``center``.
+
+    ``centered-clip``'s radius when ``cc-tau`` is 0, taken from the round's updates as
+    they came (before any mixing): while attackers are a minority the median is an
+    honest node's distance, however far they send theirs. (Taken after bucketing
+    it is not: with 3 attackers in 10 and buckets of 2, most buckets can hold one.)
+    """
+    diff = rows - center
+    norms = np.sort(np.sqrt(np.einsum("ij,ij->i", diff, diff)))
+    return float(norms[(len(norms) - 1) // 2])
 
 
 def clip_to_norm(delta: np.ndarray, max_norm: float) -> tuple[np.ndarray, float]:
@@ -156,9 +175,10 @@ class BufferedAccumulator:
     ----------
     reference : Mapping[str, np.ndarray]
         The current global weights (names, shapes, dtypes of the result).
-    combine : Callable[[np.ndarray, np.ndarray], np.ndarray]
-        Maps the ``(k, P)`` float64 stack of flattened floating entries and the
-        flattened global model (``(P,)``) to ``(P,)``.
+    combine : Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+        Maps the ``(k', P)`` float64 stack of flattened floating entries after the
+        mixing, the flattened global model (``(P,)``) and the ``(k, P)`` stack as the
+        updates came (before the mixing) to ``(P,)``.
     mixing : Mixing
         The pre-aggregation applied to the stack first (none by default).
     """
@@ -166,7 +186,7 @@ class BufferedAccumulator:
     def __init__(
         self,
         reference: Mapping[str, np.ndarray],
-        combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        combine: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
         mixing: Mixing | None = None,
     ) -> None:
         self.reference = dict(reference)
@@ -225,7 +245,8 @@ class BufferedAccumulator:
         if not self._rows:
             raise AggregationError("nothing to aggregate: no update was added")
         center = flatten(self.reference, self.keys)
-        combined = self.combine(self.mixing.apply(np.stack(self._rows), center), center)
+        rows = np.stack(self._rows)
+        combined = self.combine(self.mixing.apply(rows, center), center, rows)
         out: dict[str, np.ndarray] = {}
         offset = 0
         for key, ref in self.reference.items():
@@ -272,7 +293,7 @@ class MedianAggregator:
     ) -> Accumulator:
         """Return a buffered accumulator combining by the median."""
         return BufferedAccumulator(
-            reference, lambda stack, _: coordinate_median(stack), self.mixing
+            reference, lambda stack, *_: coordinate_median(stack), self.mixing
         )
 
 
@@ -294,7 +315,7 @@ class TrimmedMeanAggregator:
         """Return a buffered accumulator combining by the trimmed mean."""
         fraction = self.trim_fraction
 
-        def combine(stack: np.ndarray, _: np.ndarray) -> np.ndarray:
+        def combine(stack: np.ndarray, *_: np.ndarray) -> np.ndarray:
             return trimmed_mean(stack, math.ceil(fraction * stack.shape[0]))
 
         return BufferedAccumulator(reference, combine, self.mixing)
@@ -319,7 +340,7 @@ class KrumAggregator:
         """Return a buffered accumulator combining by (multi-)Krum."""
         f, multi = self.byzantine, self.multi
 
-        def combine(stack: np.ndarray, center: np.ndarray) -> np.ndarray:
+        def combine(stack: np.ndarray, center: np.ndarray, _: np.ndarray) -> np.ndarray:
             scores = krum_scores(stack, f, center)
             if not multi:
                 return np.asarray(stack[int(np.argmin(scores))])
@@ -354,8 +375,11 @@ class CenteredClipAggregator:
         """Return a buffered accumulator combining by centered clipping."""
         tau, iterations = self.tau, self.iterations
 
-        def combine(stack: np.ndarray, center: np.ndarray) -> np.ndarray:
-            return centered_clipping(stack, center, tau, iterations)
+        def combine(stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
+            radius = tau if tau > 0 else median_radius(raw, center)
+            if radius == 0.0:  # the median update did not move: neither does the model
+                return center
+            return centered_clipping(stack, center, radius, iterations)
 
         return BufferedAccumulator(reference, combine, self.mixing)
 
