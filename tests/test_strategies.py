@@ -29,7 +29,7 @@ from server_app.app import build_server
 from strategies import get_scheme, list_schemes, register_scheme
 from strategies.baselines.fedprox import FedProxClient, FedProxOptions, proximal_term
 from strategies.core import registry as scheme_registry
-from strategies.core.exchange import exchange, wait_for_nodes
+from strategies.core.exchange import exchange, pull_chunk, wait_for_nodes
 from strategies.core.nodes import parse_handshake
 from strategies.core.validation import Rejection
 from tessera import wire
@@ -726,6 +726,40 @@ def test_exchange_reports_nodes_without_a_reply() -> None:
     assert [r.metadata.src_node_id for r in outcome.replies] == [22]
     assert outcome.missing == {33: "no reply within round-timeout=0.05s"}
     assert set(outcome.bytes_down) == {22, 33}
+
+
+def test_pull_chunk_keeps_what_is_held_near_64_mib() -> None:
+    # 64 MiB / 1 MB = 67; capped at 256 for tiny payloads, floored at 8 for huge ones
+    assert [pull_chunk(b) for b in (0, 100_000, 1_000_000, 50_000_000)] == [256, 256, 67, 8]
+
+
+@pytest.mark.parametrize(("payload", "per_call"), [(1_000, 256), (2**20, 64), (10**8, 8)])
+def test_exchange_pulls_small_replies_in_few_calls(payload: int, per_call: int) -> None:
+    # Prepare: 300 nodes that all answer, and what the caller measured was sent
+    def echo(msg: Message, context: Any) -> Message:
+        return Message(RecordDict({"config": ConfigRecord({"ok": True})}), reply_to=msg)
+
+    calls: list[int] = []
+
+    class Counting(FakeGrid):
+        def pull_messages(self, message_ids: Any) -> Any:
+            ids = list(message_ids)
+            calls.append(len(ids))
+            return super().pull_messages(ids)
+
+    nodes = list(range(1, 301))
+    grid = Counting(dict.fromkeys(nodes, Mock()), handlers={"train": echo})
+    messages = [Message(RecordDict(), dst_node_id=n, message_type="train", ttl=60.0) for n in nodes]
+
+    # Execute
+    outcome = exchange(
+        grid, messages, timeout=5.0, poll=0.01, bytes_down=dict.fromkeys(nodes, payload)
+    )
+
+    # Assert: every reply, in calls of at most the chunk the payload size allows
+    assert len(outcome.replies) == 300 and not outcome.missing
+    assert max(calls) == per_call
+    assert len(calls) == -(-300 // per_call) * outcome.polls
 
 
 def handshake_reply(node_id: int, **profile: Any) -> Mock:

@@ -32,7 +32,27 @@ POLL_INTERVAL = 0.2
 MAX_POLL_INTERVAL = 1.0
 """Longest pause between polls while no reply arrives (it backs off from POLL_INTERVAL)."""
 PULL_CHUNK = 8
-"""Replies pulled per call: at most this many are held before they are folded."""
+"""Fewest replies asked for per pull call (payloads of 8 MiB or more)."""
+MAX_PULL_CHUNK = 256
+"""Most replies asked for per pull call (small payloads)."""
+HELD_BYTES = 64 * 2**20
+"""Payload bytes the server may hold between a pull and the folds (sets the chunk)."""
+
+
+def pull_chunk(payload_bytes: int) -> int:
+    """Return how many replies to ask for per pull call, for payloads of this size.
+
+    Each call is a round trip to the SuperLink, so with hundreds of pending replies a
+    small fixed chunk costs hundreds of calls per poll (most of a 1,000-node round's
+    pull time); the chunk grows while ``chunk x payload`` stays within
+    :data:`HELD_BYTES`, between :data:`PULL_CHUNK` and :data:`MAX_PULL_CHUNK`.
+
+    Examples
+    --------
+    >>> pull_chunk(100_000), pull_chunk(1_000_000), pull_chunk(50_000_000)
+    (256, 67, 8)
+    """
+    return max(PULL_CHUNK, min(MAX_PULL_CHUNK, HELD_BYTES // max(1, payload_bytes)))
 TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
@@ -192,13 +212,14 @@ def exchange(
     deadline = time.monotonic() + timeout
     replies: list[Message] = []
     result = ExchangeResult(replies, missing, bytes_down)
+    chunk_size = pull_chunk(max(bytes_down.values(), default=0))
     wait = poll
     while pending:
         result.polls += 1
         got_any = False
         ids = list(pending)
-        for begin in range(0, len(ids), PULL_CHUNK):
-            chunk = [mid for mid in ids[begin : begin + PULL_CHUNK] if mid in pending]
+        for begin in range(0, len(ids), chunk_size):
+            chunk = [mid for mid in ids[begin : begin + chunk_size] if mid in pending]
             if not chunk:
                 continue
             tick = time.monotonic()
