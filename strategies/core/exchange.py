@@ -53,6 +53,8 @@ def pull_chunk(payload_bytes: int) -> int:
     (256, 67, 8)
     """
     return max(PULL_CHUNK, min(MAX_PULL_CHUNK, HELD_BYTES // max(1, payload_bytes)))
+
+
 TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
