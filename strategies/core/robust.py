@@ -277,12 +277,19 @@ class NormClipAccumulator(MeanAccumulator):
 
 
 # ------------------------------------------------------------------------ aggregators
-@dataclass(frozen=True)
-class MedianAggregator:
-    """Coordinate-wise median (buffers the round's updates)."""
+@dataclass(frozen=True, kw_only=True)
+class BufferedAggregator:
+    """An aggregator that keeps the round's updates, mixes them, then combines them.
 
-    name: str = "median"
+    Subclasses give the rule (:meth:`combine`); :attr:`mixing` is the run's
+    pre-aggregation (keyword-only, so a subclass's own fields come first).
+    """
+
     mixing: Mixing = NO_MIXING
+
+    def combine(self, stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """Combine the mixed ``(k', P)`` stack (see :class:`BufferedAccumulator`)."""
+        raise NotImplementedError
 
     def accumulator(
         self,
@@ -291,67 +298,52 @@ class MedianAggregator:
         previous: AccumulatorReport | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
-        """Return a buffered accumulator combining by the median."""
-        return BufferedAccumulator(
-            reference, lambda stack, *_: coordinate_median(stack), self.mixing
-        )
+        """Return a buffered accumulator combining by :meth:`combine`."""
+        return BufferedAccumulator(reference, self.combine, self.mixing)
 
 
 @dataclass(frozen=True)
-class TrimmedMeanAggregator:
+class MedianAggregator(BufferedAggregator):
+    """Coordinate-wise median (buffers the round's updates)."""
+
+    name: str = "median"
+
+    def combine(self, stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """Return the coordinate-wise median."""
+        return coordinate_median(stack)
+
+
+@dataclass(frozen=True)
+class TrimmedMeanAggregator(BufferedAggregator):
     """Coordinate-wise trimmed mean (buffers the round's updates)."""
 
     trim_fraction: float = 0.1
     name: str = "trimmed-mean"
-    mixing: Mixing = NO_MIXING
 
-    def accumulator(
-        self,
-        reference: Mapping[str, np.ndarray],
-        *,
-        previous: AccumulatorReport | None = None,
-        direction: Mapping[str, np.ndarray] | None = None,
-    ) -> Accumulator:
-        """Return a buffered accumulator combining by the trimmed mean."""
-        fraction = self.trim_fraction
-
-        def combine(stack: np.ndarray, *_: np.ndarray) -> np.ndarray:
-            return trimmed_mean(stack, math.ceil(fraction * stack.shape[0]))
-
-        return BufferedAccumulator(reference, combine, self.mixing)
+    def combine(self, stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """Return the trimmed mean, ``ceil(trim_fraction x k)`` cut from each end."""
+        return trimmed_mean(stack, math.ceil(self.trim_fraction * stack.shape[0]))
 
 
 @dataclass(frozen=True)
-class KrumAggregator:
+class KrumAggregator(BufferedAggregator):
     """Krum (one update) or multi-Krum (mean of the ``k - f`` best) (buffers updates)."""
 
     byzantine: int = 1
     multi: bool = False
     name: str = "krum"
-    mixing: Mixing = NO_MIXING
 
-    def accumulator(
-        self,
-        reference: Mapping[str, np.ndarray],
-        *,
-        previous: AccumulatorReport | None = None,
-        direction: Mapping[str, np.ndarray] | None = None,
-    ) -> Accumulator:
-        """Return a buffered accumulator combining by (multi-)Krum."""
-        f, multi = self.byzantine, self.multi
-
-        def combine(stack: np.ndarray, center: np.ndarray, _: np.ndarray) -> np.ndarray:
-            scores = krum_scores(stack, f, center)
-            if not multi:
-                return np.asarray(stack[int(np.argmin(scores))])
-            best = np.argsort(scores, kind="stable")[: stack.shape[0] - f]
-            return np.asarray(stack[best].mean(axis=0))
-
-        return BufferedAccumulator(reference, combine, self.mixing)
+    def combine(self, stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """Return the best-scored update (Krum) or the mean of the ``k - f`` best."""
+        scores = krum_scores(stack, self.byzantine, center)
+        if not self.multi:
+            return np.asarray(stack[int(np.argmin(scores))])
+        best = np.argsort(scores, kind="stable")[: stack.shape[0] - self.byzantine]
+        return np.asarray(stack[best].mean(axis=0))
 
 
 @dataclass(frozen=True)
-class CenteredClipAggregator:
+class CenteredClipAggregator(BufferedAggregator):
     """Centered clipping around the global model (buffers the round's updates).
 
     Like the other buffered rules it ignores the example weights. It departs from
@@ -363,25 +355,13 @@ class CenteredClipAggregator:
     tau: float = 0.0
     iterations: int = 3
     name: str = "centered-clip"
-    mixing: Mixing = NO_MIXING
 
-    def accumulator(
-        self,
-        reference: Mapping[str, np.ndarray],
-        *,
-        previous: AccumulatorReport | None = None,
-        direction: Mapping[str, np.ndarray] | None = None,
-    ) -> Accumulator:
-        """Return a buffered accumulator combining by centered clipping."""
-        tau, iterations = self.tau, self.iterations
-
-        def combine(stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
-            radius = tau if tau > 0 else median_radius(raw, center)
-            if radius == 0.0:  # the median update did not move: neither does the model
-                return center
-            return centered_clipping(stack, center, radius, iterations)
-
-        return BufferedAccumulator(reference, combine, self.mixing)
+    def combine(self, stack: np.ndarray, center: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """Return centered clipping's centre (radius ``tau``, or :func:`median_radius`)."""
+        radius = self.tau if self.tau > 0 else median_radius(raw, center)
+        if radius == 0.0:  # the median update did not move: neither does the model
+            return center
+        return centered_clipping(stack, center, radius, self.iterations)
 
 
 @dataclass(frozen=True)
