@@ -98,6 +98,16 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # preresnet), with its papers' static batch norm (as the leaderboard runs it)
     "heterofl": {"strategy": "heterofl", "norm": "static-batch", "model-family": ""},
     "felo": {"strategy": "felo"},
+    # the rest of the issue's "each scheme": one model per architecture group, the
+    # other sub-model schemes (as heterofl: their default family, static batch norm,
+    # as the leaderboard runs them), and two more knowledge schemes (FedHe's logits,
+    # FedTGP's trained global prototypes)
+    "fedavg-groups": {"strategy": "fedavg-groups"},
+    "flexifed": {"strategy": "flexifed", "norm": "static-batch", "model-family": ""},
+    "nefl": {"strategy": "nefl", "norm": "static-batch", "model-family": ""},
+    "fedfa": {"strategy": "fedfa", "norm": "static-batch", "model-family": ""},
+    "fedhe": {"strategy": "fedhe"},
+    "fedtgp": {"strategy": "fedtgp"},
 }
 FEDAVG_AGGREGATORS = (
     "mean",
@@ -117,10 +127,17 @@ FEDAVG_AGGREGATORS = (
 """Aggregator labels of the weight schemes: ``<aggregator>[+<pre-aggregation>]``, or an
 ablation of the default ``mean`` (:data:`ABLATIONS`)."""
 FELO_MERGES = ("mean", "mean-unbounded", "median")
+SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only")
+KNOWLEDGE_SCHEMES = frozenset({"felo", "fedhe", "fedtgp"})
+"""Schemes judged by the honest clients' own accuracy, whose label is a knowledge merge."""
 SCHEME_AGGREGATORS = {
     "fedavg": FEDAVG_AGGREGATORS,
-    "heterofl": ("mean", "mean-unbounded", "mean-bound-only"),
-    "felo": FELO_MERGES,
+    "fedavg-groups": SUB_MODEL_AGGREGATORS,
+    "heterofl": SUB_MODEL_AGGREGATORS,
+    "flexifed": SUB_MODEL_AGGREGATORS,
+    "nefl": SUB_MODEL_AGGREGATORS,
+    "fedfa": SUB_MODEL_AGGREGATORS,
+    **{scheme: FELO_MERGES for scheme in sorted(KNOWLEDGE_SCHEMES)},
 }
 ABLATIONS: dict[str, dict[str, Any]] = {
     "mean-bound-only": {"server-trust": False},
@@ -128,7 +145,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 """The default ``mean`` without parts of it: the size bound alone (no direction check),
 and the previous default (``clip-factor=3``, no direction check)."""
-GLOBAL_METRIC = {"fedavg": True, "heterofl": True, "felo": False}
+GLOBAL_METRIC = {scheme: scheme not in KNOWLEDGE_SCHEMES for scheme in SCHEMES}
 """Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {
     "dataset": "digits",
@@ -276,7 +293,7 @@ def cell_run_config(
         config.update(ABLATIONS[name])
     elif "+" in name:  # a buffered rule after a pre-aggregation
         rule, config["pre-aggregation"] = name.split("+", 1)
-    if cell.scheme == "felo":
+    if cell.scheme in KNOWLEDGE_SCHEMES:
         config["knowledge-merge"] = rule
     else:
         config["aggregator"] = rule
@@ -537,7 +554,7 @@ def accuracy_tables(rows: Sequence[Mapping[str, Any]]) -> str:
             seeds = sorted({r["seed"] for r in part})
             nodes, rounds, epochs = part[0]["nodes"], part[0]["rounds"], part[0]["local_epochs"]
             split = "IID" if partitioner == "iid" else "Dirichlet(0.5)"
-            head = "knowledge-merge" if scheme == "felo" else "aggregator"
+            head = "knowledge-merge" if scheme in KNOWLEDGE_SCHEMES else "aggregator"
             out.append(
                 f"#### `{scheme}`, {split}: {what}, % (mean ± std over seeds {seeds}; "
                 f"{nodes} nodes, {rounds} rounds of {epochs} local epochs)\n"
