@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import subprocess
 import sys
 import time
@@ -40,7 +41,21 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
-PHASES = ("handshake", "build", "exchange", "pull", "fold", "aggregate", "evaluate")
+PHASES = (
+    "handshake",
+    "build",
+    "exchange",
+    "pull",
+    "fold",
+    "pull_cpu",
+    "fold_cpu",
+    "aggregate",
+    "evaluate",
+)
+FLAT_FROM = 50
+"""Sizes from this many nodes on are held to the flatness goals (:func:`flatness`)."""
+FLAT_GOAL = 1.3
+"""Issue 26's goal: per-node round time and per-reply server work within 1.3x."""
 
 log = logging.getLogger("scale")
 
@@ -122,61 +137,125 @@ def row_of(nodes: int, rounds: list[dict[str, Any]], wall: float) -> dict[str, A
         "first_round_seconds": first["round_seconds"],
         "first_handshake_seconds": first.get("phase_seconds", {}).get("handshake", float("nan")),
         **{f"{p}_seconds": phases.get(p, float("nan")) for p in PHASES},
+        "first_round_phases": first.get("phase_seconds", {}),
         "server_rss_mb": memory.get("rss", float("nan")),
         "server_peak_mb": memory.get("peak", float("nan")),
         "wall_seconds": wall,
     }
 
 
+def server_work_ms(row: dict[str, Any]) -> float:
+    """Return the server's own work per reply in ms: its thread's CPU time pulling and folding."""
+    return 1000 * (row["pull_cpu_seconds"] + row["fold_cpu_seconds"]) / max(1, row["num_ok"])
+
+
+def flatness(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Max over min, across the sizes of :data:`FLAT_FROM` nodes or more, of three costs.
+
+    ``per_node``: round 2's time per node; ``server_per_reply``: :func:`server_work_ms`;
+    ``handshake_per_node``: round 1's handshake per node (linear handshake: flat).
+    NaN where fewer than two sizes qualify.
+
+    Examples
+    --------
+    >>> rows = [
+    ...     {"nodes": n, "num_ok": n, "round_seconds": t, "first_handshake_seconds": n / 100,
+    ...      "pull_cpu_seconds": 0.0, "fold_cpu_seconds": n / 1000}
+    ...     for n, t in ((10, 5.0), (50, 1.0), (500, 13.0))
+    ... ]
+    >>> {k: round(v, 2) for k, v in flatness(rows).items()}
+    {'per_node': 1.3, 'server_per_reply': 1.0, 'handshake_per_node': 1.0}
+    """
+    big = [r for r in rows if r["nodes"] >= FLAT_FROM]
+
+    def spread(values: list[float]) -> float:
+        return max(values) / min(values) if len(values) >= 2 and min(values) > 0 else math.nan
+
+    return {
+        "per_node": spread([r["round_seconds"] / r["nodes"] for r in big]),
+        "server_per_reply": spread([server_work_ms(r) for r in big]),
+        "handshake_per_node": spread([r["first_handshake_seconds"] / r["nodes"] for r in big]),
+    }
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """Render the rows as a Markdown table."""
+    """Render the rows as a Markdown table, then the flatness ratios against the goal."""
     head = (
-        "| nodes | replies | round 2 s | per node ms | handshake (round 1) s | build s "
-        "| exchange s (pull, fold) | aggregate s | evaluate s | server RSS MB (peak) "
-        "| total wall s |"
+        "| nodes | replies | round 2 s | per node ms | handshake (round 1) s (per node ms) "
+        "| build s | exchange s (pull, fold) | server work per reply ms | aggregate s "
+        "| evaluate s | server RSS MB (peak) | total wall s |"
     )
-    lines = [head, "|" + "---:|" * 11]
+    lines = [head, "|" + "---:|" * 12]
     for r in rows:
         lines.append(
             f"| {r['nodes']} | {r['num_ok']} | {r['round_seconds']:.1f} | "
-            f"{1000 * r['round_seconds'] / r['nodes']:.0f} | "
-            f"{r['first_handshake_seconds']:.1f} | {r['build_seconds']:.2f} | "
+            f"{1000 * r['round_seconds'] / r['nodes']:.1f} | "
+            f"{r['first_handshake_seconds']:.1f} "
+            f"({1000 * r['first_handshake_seconds'] / r['nodes']:.1f}) | "
+            f"{r['build_seconds']:.2f} | "
             f"{r['exchange_seconds']:.1f} ({r['pull_seconds']:.1f}, {r['fold_seconds']:.2f}) | "
-            f"{r['aggregate_seconds']:.3f} | "
+            f"{server_work_ms(r):.2f} | {r['aggregate_seconds']:.3f} | "
             f"{r['evaluate_seconds']:.2f} | {r['server_rss_mb']:.0f} ({r['server_peak_mb']:.0f}) "
             f"| {r['wall_seconds']:.0f} |"
         )
+    flat = flatness(rows)
+    lines += [
+        "",
+        f"Max / min over the sizes of {FLAT_FROM} nodes or more (goal <= {FLAT_GOAL:g}): "
+        f"round time per node {flat['per_node']:.2f}, server work per reply "
+        f"{flat['server_per_reply']:.2f}, first handshake per node "
+        f"{flat['handshake_per_node']:.2f}.",
+    ]
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Draw round time (with the server's own share) and server memory against nodes."""
+    """Draw per-node and per-reply costs, round time, and server memory against nodes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     nodes = np.array([r["nodes"] for r in rows], dtype=float)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.loglog(nodes, [r["round_seconds"] for r in rows], "o-", label="round 2 wall time")
-    server = [
-        r["build_seconds"] + r["pull_seconds"] + r["fold_seconds"] + r["aggregate_seconds"]
-        for r in rows
-    ]
-    left.loglog(nodes, server, "s--", label="server work (build, pull, fold, aggregate)")
+    fig, (flat, total, memory) = plt.subplots(1, 3, figsize=(14, 4))
+    flat.plot(
+        nodes,
+        [1000 * r["round_seconds"] / r["nodes"] for r in rows],
+        "o-",
+        label="round 2 time per node",
+    )
+    flat.plot(
+        nodes,
+        [1000 * r["first_handshake_seconds"] / r["nodes"] for r in rows],
+        "^-",
+        label="round 1 handshake per node",
+    )
+    flat.plot(
+        nodes, [server_work_ms(r) for r in rows], "s--", label="server's own work per reply (CPU)"
+    )
+    flat.set_xscale("log")
+    flat.set_ylim(bottom=0)
+    flat.set_xlabel("simulated nodes")
+    flat.set_ylabel("ms")
+    flat.legend(fontsize=8)
+    flat.set_title("cost per node (flat = linear)")
+    total.loglog(nodes, [r["round_seconds"] for r in rows], "o-", label="round 2 wall time")
+    total.loglog(
+        nodes, [r["first_handshake_seconds"] for r in rows], "^-", label="round 1 handshake"
+    )
     per_node = rows[-1]["round_seconds"] / rows[-1]["nodes"]
-    left.loglog(nodes, per_node * nodes, ":", color="grey", label="linear in nodes")
-    left.set_xlabel("simulated nodes")
-    left.set_ylabel("seconds")
-    left.legend(fontsize=8)
-    left.set_title("round time")
-    right.plot(nodes, [r["server_rss_mb"] for r in rows], "o-", label="RSS after round 2")
-    right.plot(nodes, [r["server_peak_mb"] for r in rows], "s--", label="peak")
-    right.set_xscale("log")
-    right.set_xlabel("simulated nodes")
-    right.set_ylabel("MiB")
-    right.legend(fontsize=8)
-    right.set_title("ServerApp process memory")
+    total.loglog(nodes, per_node * nodes, ":", color="grey", label="linear in nodes")
+    total.set_xlabel("simulated nodes")
+    total.set_ylabel("seconds")
+    total.legend(fontsize=8)
+    total.set_title("round time")
+    memory.plot(nodes, [r["server_rss_mb"] for r in rows], "o-", label="RSS after round 2")
+    memory.plot(nodes, [r["server_peak_mb"] for r in rows], "s--", label="peak")
+    memory.set_xscale("log")
+    memory.set_xlabel("simulated nodes")
+    memory.set_ylabel("MiB")
+    memory.legend(fontsize=8)
+    memory.set_title("ServerApp process memory")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

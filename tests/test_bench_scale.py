@@ -45,6 +45,8 @@ def test_a_row_reads_round_two_and_the_first_handshake(bench: ModuleType, tmp_pa
                 "exchange": 1.5,
                 "pull": 0.2,
                 "fold": 0.3,
+                "pull_cpu": 0.001,
+                "fold_cpu": 0.007,
                 "aggregate": 0.01,
                 "evaluate": 0.05,
             },
@@ -57,10 +59,36 @@ def test_a_row_reads_round_two_and_the_first_handshake(bench: ModuleType, tmp_pa
     text = bench.markdown([row])
     png = bench.plot([row, {**row, "nodes": 8, "round_seconds": 4.0}], tmp_path / "s.png")
 
-    # Assert: round 2's time per node is 2.0 s / 4 = 500 ms
+    # Assert: round 2's time per node is 2.0 s / 4 = 500 ms, the handshake 6 s / 4 =
+    # 1500 ms a node, the server's own work (1 + 7) ms of CPU / 4 replies = 2 ms a reply
     assert row["round_seconds"] == 2.0 and row["first_handshake_seconds"] == 6.0
     assert (
-        "| 4 | 4 | 2.0 | 500 | 6.0 | 0.10 | 1.5 (0.2, 0.30) | 0.010 | 0.05 | 800 (810) | 30 |"
-        in text
+        "| 4 | 4 | 2.0 | 500.0 | 6.0 (1500.0) | 0.10 | 1.5 (0.2, 0.30) | 2.00 | 0.010 | 0.05 "
+        "| 800 (810) | 30 |" in text
     )
     assert png.stat().st_size > 1000
+
+
+def test_flatness_is_max_over_min_from_fifty_nodes(bench: ModuleType) -> None:
+    # Prepare: per node 20 ms at 50 nodes, 26 ms at 5,000 (x1.3); the 10-node size
+    # (Ray's start-up dominates it) is left out; per reply 1 ms then 3 ms (x3)
+    def row(nodes: int, round_s: float, fold_cpu: float) -> dict[str, float]:
+        return {
+            "nodes": nodes,
+            "num_ok": nodes,
+            "round_seconds": round_s,
+            "first_handshake_seconds": nodes * 0.01,
+            "pull_cpu_seconds": 0.0,
+            "fold_cpu_seconds": fold_cpu,
+        }
+
+    rows = [row(10, 9.0, 0.01), row(50, 1.0, 0.05), row(5000, 130.0, 15.0)]
+
+    # Execute
+    flat = bench.flatness(rows)
+
+    # Assert
+    assert flat["per_node"] == pytest.approx(1.3)
+    assert flat["server_per_reply"] == pytest.approx(3.0)
+    assert flat["handshake_per_node"] == pytest.approx(1.0)
+    assert bench.flatness(rows[:2])["per_node"] != bench.flatness(rows[:2])["per_node"]  # NaN

@@ -570,3 +570,65 @@ def test_every_node_of_a_federation_is_a_slice_of_one_partitioning(
         test_fraction=0.2,
     )
     _assert_same(got[33], NodeSplits(train, test, got[33].num_classes, got[33].input_shape))
+
+
+def test_a_worker_serving_hundreds_of_nodes_splits_each_node_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: a simulation worker serves 300 nodes in turn, round after round; the
+    # per-node cache once held 16, so every message rebuilt its node's splits
+    import tessera.data.splits as splits
+
+    clear_memory_cache()
+    split_calls: list[int] = []
+    real = splits.FederationPartitions.client_split
+
+    def counting(self: Any, partition_id: int, **kwargs: Any) -> Any:
+        split_calls.append(partition_id)
+        return real(self, partition_id, **kwargs)
+
+    monkeypatch.setattr(splits.FederationPartitions, "client_split", counting)
+    load = CountingLoader()
+
+    # Execute: three messages per node (handshake, two rounds)
+    for _ in range(3):
+        for pid in range(300):
+            _partition(
+                None,
+                load,
+                partition_id=pid,
+                num_partitions=300,
+                partition=PartitionConfig("iid", seed=3),
+            )
+
+    # Assert: each node split once, then served from memory
+    assert sorted(split_calls) == list(range(300))
+    clear_memory_cache()
+
+
+def test_library_versions_are_read_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: count the metadata lookups (each parses a distribution's METADATA)
+    from importlib import metadata
+
+    from tessera.data import cache_keys
+
+    calls: list[str] = []
+
+    def version(name: str) -> str:
+        calls.append(name)
+        return "1.0"
+
+    monkeypatch.setattr(metadata, "version", version)
+    cache_keys._installed_versions.cache_clear()
+
+    # Execute
+    try:
+        first = cache_keys.library_versions()
+        first["numpy"] = "changed by a caller"
+        second = cache_keys.library_versions()
+    finally:
+        cache_keys._installed_versions.cache_clear()  # the next test reads the real ones
+
+    # Assert: one lookup per library, and a caller's copy is its own
+    assert calls == list(cache_keys.LIBRARIES)
+    assert second == dict.fromkeys(cache_keys.LIBRARIES, "1.0")

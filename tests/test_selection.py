@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -355,6 +356,34 @@ def test_candidate_costs_real_models() -> None:
     big = choose_architecture(GPU, costs, WORKLOAD, TEN_MINUTES)
     assert small.candidates_considered == big.candidates_considered == len(costs)
     assert big.name == "cnn-5"
+
+
+def test_candidate_costs_are_measured_once_per_question(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: count the models built (a simulation worker greets hundreds of nodes
+    # with the same question; each answer builds every candidate)
+    import models
+
+    built: list[str] = []
+    real = models.get_model
+
+    def counting(ref: Any, **kwargs: Any) -> Any:
+        built.append(str(ref))
+        return real(ref, **kwargs)
+
+    monkeypatch.setattr(models, "get_model", counting)
+
+    # Execute: the same question twice (a fresh shape so no earlier test answered
+    # it), then another norm, then the first again
+    first = candidate_costs("cnn", (1, 13, 13), 7, names=["cnn-1", "cnn-2"])
+    again = candidate_costs("cnn", (1, 13, 13), 7, names=["cnn-1", "cnn-2"])
+    first.append(first[0])  # a caller's list is its own
+    other = candidate_costs("cnn", (1, 13, 13), 7, norm="group", names=["cnn-1", "cnn-2"])
+    third = candidate_costs("cnn", (1, 13, 13), 7, names=["cnn-1", "cnn-2"])
+
+    # Assert: built for the first question and for the other norm, not again
+    assert len(built) == 4
+    assert again == third and len(third) == 2
+    assert [c.name for c in other] == ["cnn-1", "cnn-2"]
 
 
 def test_candidate_costs_unknown_family_raises() -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -29,7 +30,14 @@ from server_app.app import build_server
 from strategies import get_scheme, list_schemes, register_scheme
 from strategies.baselines.fedprox import FedProxClient, FedProxOptions, proximal_term
 from strategies.core import registry as scheme_registry
-from strategies.core.exchange import exchange, pull_chunk, wait_for_nodes
+from strategies.core.exchange import (
+    MAX_POLL_INTERVAL,
+    POLL_COST_FACTOR,
+    exchange,
+    poll_wait,
+    pull_chunk,
+    wait_for_nodes,
+)
 from strategies.core.nodes import parse_handshake
 from strategies.core.validation import Rejection
 from tessera import wire
@@ -760,6 +768,63 @@ def test_exchange_pulls_small_replies_in_few_calls(payload: int, per_call: int) 
     assert len(outcome.replies) == 300 and not outcome.missing
     assert max(calls) == per_call
     assert len(calls) == -(-300 // per_call) * outcome.polls
+
+
+def test_poll_wait_backs_off_and_never_undercuts_the_poll_cost() -> None:
+    # by hand: replies came -> the floor; none -> x1.5 up to the cap; a costly poll
+    # (50 ms) -> 4 x 50 ms whatever else holds
+    assert poll_wait(0.5, got_any=True, poll_seconds=0.0, poll=0.02) == 0.02
+    assert poll_wait(0.1, got_any=False, poll_seconds=0.0, poll=0.02) == pytest.approx(0.15)
+    assert poll_wait(0.9, got_any=False, poll_seconds=0.0, poll=0.02) == MAX_POLL_INTERVAL
+    assert poll_wait(0.02, got_any=True, poll_seconds=0.05, poll=0.02) == pytest.approx(
+        POLL_COST_FACTOR * 0.05
+    )
+    assert poll_wait(0.9, got_any=False, poll_seconds=0.5, poll=0.02) == pytest.approx(2.0)
+    # a floor above the cap is kept (a caller asking for slow polls gets them)
+    assert poll_wait(3.0, got_any=False, poll_seconds=0.0, poll=3.0) == 3.0
+
+
+def test_exchange_spaces_costly_polls_and_times_the_server_s_own_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: a SuperLink whose pull takes 30 ms of wall time (a sleep: no CPU) and
+    # whose node answers only on the fourth pull; the pauses between polls are recorded
+    def echo(msg: Message, context: Any) -> Message:
+        return Message(RecordDict({"config": ConfigRecord({"ok": True})}), reply_to=msg)
+
+    pulls = 0
+    real_sleep = time.sleep  # the exchange's time.sleep is patched below (one module)
+
+    class Slow(FakeGrid):
+        def pull_messages(self, message_ids: Any) -> Any:
+            nonlocal pulls
+            pulls += 1
+            real_sleep(0.03)
+            return super().pull_messages(message_ids) if pulls >= 4 else []
+
+    pauses: list[float] = []
+    monkeypatch.setattr(
+        "strategies.core.exchange.time.sleep", lambda s: (pauses.append(s), real_sleep(0))
+    )
+    grid = Slow({22: Mock()}, handlers={"train": echo})
+    message = Message(RecordDict(), dst_node_id=22, message_type="train", ttl=60.0)
+
+    # Execute
+    def busy(reply: Message) -> None:  # 20 ms of CPU work folding the reply
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+    outcome = exchange(grid, [message], timeout=30.0, poll=0.01, on_reply=busy)
+
+    # Assert: three pauses, none shorter than 4 x the 30 ms poll; the pull's wall time
+    # holds the sleeps, its CPU time does not; the fold's work is CPU time
+    assert not outcome.missing and outcome.polls == 4 == pulls
+    assert len(pauses) == 3 and min(pauses) >= POLL_COST_FACTOR * 0.03
+    assert outcome.pull_seconds >= 0.12
+    assert 0.0 <= outcome.pull_cpu_seconds < outcome.pull_seconds / 2
+    assert outcome.fold_cpu_seconds >= 0.02
+    assert outcome.fold_seconds >= outcome.fold_cpu_seconds - 0.005
 
 
 def handshake_reply(node_id: int, **profile: Any) -> Mock:

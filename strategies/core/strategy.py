@@ -389,6 +389,10 @@ class HeteroStrategy(SchemeHooks[OptionsT]):
         ctx.timed("exchange", tick)
         ctx.phases["pull"] = outcome.pull_seconds
         ctx.phases["fold"] = outcome.fold_seconds
+        # the server's own work (this thread's CPU time) apart from waiting: for
+        # the engine and the nodes, and in simulation for the interpreter lock
+        ctx.phases["pull_cpu"] = outcome.pull_cpu_seconds
+        ctx.phases["fold_cpu"] = outcome.fold_cpu_seconds
         ctx.failures = outcome.missing
         for node, reason in outcome.missing.items():
             log.warning("round %d: node %d failed: %s", ctx.server_round, node, reason)
