@@ -80,14 +80,28 @@ def make_dataset(
     return path
 
 
-def run_size(nodes: int, *, data: Path, out: Path, timeout: float) -> dict[str, Any]:
+SCHEMES: dict[str, str] = {
+    "fedavg": "strategy='fedavg' fedavg-arch='mlp-s'",
+    # one model per architecture group: the emulated fleet picks mlp-s, -m or -l
+    "fedavg-groups": "strategy='fedavg-groups' model-family='mlp'",
+    # slices of one global model (its default family, preresnet, reading each
+    # 64-feature sample as a signal), with static batch norm as the leaderboard runs it
+    "fedfa": "strategy='fedfa' model-family='' norm='static-batch'",
+}
+"""Run-config of each ``--scheme``: ``fedavg`` (one small model), the per-architecture
+path (``fedavg-groups``) and a sub-model path (``fedfa``)."""
+
+
+def run_size(
+    nodes: int, *, data: Path, out: Path, timeout: float, scheme: str = "fedavg"
+) -> dict[str, Any]:
     """Run one federation of ``nodes`` simulated nodes; return its summary row."""
-    name = f"scale-{nodes}"
+    name = f"scale-{nodes}" if scheme == "fedavg" else f"scale-{scheme}-{nodes}"
     metrics = out / name / "metrics.jsonl"
     wall = float("nan")
     if not _complete(metrics):
         run_config = (
-            f"strategy='fedavg' fedavg-arch='mlp-s' dataset='npz:{data}' partitioner='iid' "
+            f"{SCHEMES[scheme]} dataset='npz:{data}' partitioner='iid' "
             f"num-server-rounds={ROUNDS} local-epochs=1 min-nodes={nodes} "
             f"round-timeout={timeout} node-wait-timeout={timeout} "
             "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
@@ -118,7 +132,7 @@ def run_size(nodes: int, *, data: Path, out: Path, timeout: float) -> dict[str, 
     elif (out / name / "wall_seconds.txt").exists():
         wall = float((out / name / "wall_seconds.txt").read_text())
     rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return row_of(nodes, rounds, wall)
+    return {"scheme": scheme, **row_of(nodes, rounds, wall)}
 
 
 def _complete(metrics: Path) -> bool:
@@ -269,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-node", type=int, default=40, help="training samples per node")
     parser.add_argument("--timeout", type=float, default=3600.0, help="round timeout, s")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench-scale")
+    parser.add_argument(
+        "--scheme",
+        choices=sorted(SCHEMES),
+        default="fedavg",
+        help="fedavg (mlp-s), fedavg-groups (mlp-s/m/l by device) or fedfa (preresnet slices)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
@@ -279,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     data = make_dataset(args.out / "data.npz", n_train=n_train, n_test=2000)
     rows: list[dict[str, Any]] = []
     for nodes in sizes:
-        rows.append(run_size(nodes, data=data.resolve(), out=args.out, timeout=args.timeout))
+        rows.append(
+            run_size(
+                nodes, data=data.resolve(), out=args.out, timeout=args.timeout, scheme=args.scheme
+            )
+        )
         log.info("%d nodes: round 2 took %.1f s", nodes, rows[-1]["round_seconds"])
     text = markdown(rows)
     print(text)

@@ -158,11 +158,13 @@ def main(grid: Grid, context: Context) -> None:
     Refuses the omniscient attacks of the harness, which only the in-process grid
     can run (:func:`tessera.attacks.require_client_side`).
     """
+    from strategies.core import fused
     from tessera.attacks import require_client_side
     from tessera.data import plot_label_distribution
 
     started = time.monotonic()
     require_client_side(RunConfig.from_flower(context.run_config))
+    fused.start_warm_up()  # the aggregation loops load while the server waits for nodes
     server = build_server(context.run_config)
     run, env, writer, runner = server.env.run, server.env, server.writer, server.runner
     log.info(

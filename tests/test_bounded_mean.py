@@ -411,3 +411,20 @@ def test_a_later_round_bounds_each_class_by_its_scale_or_the_pooled_one() -> Non
         (1, pytest.approx(2.0 * math.sqrt(0.5))),
         (2, pytest.approx(4.0)),
     ]
+
+
+def test_warm_up_leaves_every_loop_compiled_for_both_dtypes(measure_path: str) -> None:
+    # Prepare / Execute: the warm-up the ServerApp starts in a thread
+    thread = fused.start_warm_up()
+    thread.join(timeout=120)
+
+    # Assert: on the torch path there is nothing to compile; with numba each loop
+    # holds a float32 and a float64 specialisation, so no round pays a compile
+    assert not thread.is_alive()
+    if measure_path != "fused":
+        assert fused.warm_up() is False
+        return
+    kernel, correct, fold = fused._compile()  # type: ignore[misc]
+    for loop in (kernel, correct, fold):
+        first_args = {str(signature[0]) for signature in loop.signatures}
+        assert {"array(float32, 1d, C)", "array(float64, 1d, C)"} <= first_args, loop

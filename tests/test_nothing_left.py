@@ -1,0 +1,137 @@
+"""A real simulation stopped by Ctrl-C on a loaded machine leaves no process behind.
+
+``scripts/simulate.sh`` starts a local SuperLink (which outlives ``flwr run``), which
+launches ``flwr-simulation`` in a session of its own, which starts Ray (its GCS,
+raylet and workers). This test loads both cores, starts a real run, and while it
+runs records every process id of that tree: the script's descendants, re-scanned
+every half second (a process re-parented to init after its parent ended stays
+recorded), and every process whose command line names the test's folder (the
+SuperLink and ``flwr-simulation`` name their Flower home). Once a round has been
+recorded it sends SIGINT to the script's process group, as a terminal's Ctrl-C does,
+and checks by process id that every recorded process has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parents() -> dict[int, int]:
+    """Map every live process id to its parent's."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            out[int(entry.name)] = int(fields[1])
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    parents = _parents()
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _naming(text: str) -> set[int]:
+    """Process ids whose command line holds ``text`` (this test's own process aside)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline:
+                out.add(int(entry.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_on_a_loaded_machine_leaves_no_process(tmp_path: Path) -> None:
+    # Prepare: both cores busy, then a real run long enough to be stopped mid-way
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    out = tmp_path / "results"
+    metrics = out / "ctrl-c" / "metrics.jsonl"
+    script = None
+    seen: set[int] = set()
+    try:
+        script = subprocess.Popen(
+            [
+                "bash",
+                "scripts/simulate.sh",
+                "--nodes",
+                "3",
+                "--run-name",
+                "ctrl-c",
+                "--output-dir",
+                str(out),
+                "--run-config",
+                "num-server-rounds=40 local-epochs=1",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "FLWR_HOME_SIM": str(tmp_path / "flwr-home")},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline and script.poll() is None:
+            seen |= _descendants(script.pid) | _naming(str(tmp_path))
+            if metrics.exists() and metrics.read_text().strip():
+                break
+            time.sleep(0.5)
+        assert script.poll() is None, f"the run ended by itself (exit {script.returncode})"
+        assert metrics.exists() and metrics.read_text().strip(), "no round within 420 s"
+        seen |= _descendants(script.pid) | _naming(str(tmp_path))
+        assert any("flwr-simulation" in _cmdline(pid) for pid in seen), "no flwr-simulation seen"
+
+        # Execute: Ctrl-C
+        os.killpg(script.pid, signal.SIGINT)
+        script.wait(timeout=120)
+
+        # Assert: every process of the run's tree has ended
+        time.sleep(1.0)
+        left = {pid: _cmdline(pid) for pid in seen if not _gone(pid)}
+        assert left == {}, f"processes left running after Ctrl-C: {left}"
+    finally:
+        if script is not None and script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+        for proc in load:
+            proc.kill()
+            proc.wait()
+
+
+_CMDLINES: dict[int, str] = {}
+
+
+def _cmdline(pid: int) -> str:
+    """A process's command line (remembered, so it can be named after it ended)."""
+    try:
+        _CMDLINES[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode()
+    except OSError:
+        pass
+    return _CMDLINES.get(pid, "?")
