@@ -36,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -56,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import read_rows  # noqa: E402
+from benchmarks.harness import read_rows, stop_group  # noqa: E402
 from tessera.compare.metrics import (  # noqa: E402
     CEILING,
     FLOOR,
@@ -411,7 +410,7 @@ def simulate(
                     )
         finally:
             if proc.poll() is None:
-                _stop_group(proc)
+                stop_group(proc)
     if proc.returncode != 0:
         tail = log_path.read_text()[-2500:]
         raise RuntimeError(f"{cell.key}: simulation exited {proc.returncode}\n{tail}")
@@ -425,18 +424,6 @@ def simulate(
         )
     shutil.rmtree(home, ignore_errors=True)
     return rounds
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a simulation and everything it started (TERM, then KILL after 20 s)."""
-    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _round_progress(run_dir: Path, seen: int, total: int, log: Callable[[str], None]) -> int:

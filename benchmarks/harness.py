@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -191,3 +194,19 @@ def mean_std(values: Sequence[float | None]) -> str:
     from tessera.compare.metrics import spread
 
     return spread(values).text()
+
+
+def stop_group(proc: subprocess.Popen[Any]) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything in its group.
+
+    SIGTERM first (``scripts/simulate.sh`` and ``deploy-local.sh`` trap it and stop
+    their SuperLink, the simulation engine and Ray), SIGKILL after 20 s.
+    """
+    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
