@@ -531,6 +531,23 @@ def test_memory_cache_evicts_by_count_and_skips_oversized_entries() -> None:
     assert len(small) == 0
 
 
+def test_memory_cache_counts_its_bytes_through_replace_discard_and_clear() -> None:
+    # the byte count is kept as entries come and go (not summed per put): check it
+    # against the entries after each kind of change
+    memory = MemoryCache(max_entries=10, max_bytes=1000)
+    memory.put("a", _splits(1))
+    memory.put("a", _splits(2))  # replaced, not added
+    memory.put("b", _splits(3))
+    assert (len(memory), memory.nbytes) == (2, 120)
+    memory.discard("a")
+    memory.discard("missing")
+    assert (len(memory), memory.nbytes) == (1, 60)
+    memory.clear()
+    assert (len(memory), memory.nbytes) == (0, 0)
+    memory.put("c", _splits(4))
+    assert memory.nbytes == 60
+
+
 def test_memory_cache_rejects_negative_bounds() -> None:
     with pytest.raises(ValueError, match="max_entries=-1"):
         MemoryCache(max_entries=-1, max_bytes=0)

@@ -254,15 +254,21 @@ class ScaleBook:
                     members.setdefault(scale_key(kind, n, size), []).append(distance)
                     whole.setdefault(kind, []).append((i, distance * math.sqrt(size / n)))
         out: list[dict[str, float]] = []
+        class_scale: dict[str, float] = {}  # each class's median, sorted once (not per update)
         for i, (distances, covered) in enumerate(updates):
             bounds: dict[str, float] = {}
             for kind in distances:
                 size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
-                own = members.get(scale_key(kind, n, size), [])
-                others = [x for j, x in whole.get(kind, []) if j != i]
+                key = scale_key(kind, n, size)
+                own = members.get(key, [])
                 if len(own) >= 2:
-                    scale = lower_median(own)
-                elif others and n > 0:
+                    if key not in class_scale:
+                        class_scale[key] = lower_median(own)
+                    bounds[kind] = self.capped(kind, self.clip_factor * class_scale[key])
+                    continue
+                # alone in its class (rare): the others' scale, gathered for it alone
+                others = [x for j, x in whole.get(kind, []) if j != i]
+                if others and n > 0:
                     scale = lower_median(others) * math.sqrt(n / size)
                 elif own:
                     scale = own[0]

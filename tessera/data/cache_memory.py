@@ -47,6 +47,7 @@ class MemoryCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, NodeSplits] = OrderedDict()
+        self._nbytes = 0  # kept as entries come and go: summing them per put was O(entries)
 
     def __len__(self) -> int:
         """Return the number of entries held."""
@@ -55,7 +56,7 @@ class MemoryCache:
     @property
     def nbytes(self) -> int:
         """Array bytes held by all entries."""
-        return sum(entry.nbytes for entry in self._entries.values())
+        return self._nbytes
 
     def get(self, key: str) -> NodeSplits | None:
         """Return the entry of ``key`` (marking it recently used), or ``None``."""
@@ -66,22 +67,25 @@ class MemoryCache:
 
     def put(self, key: str, value: NodeSplits) -> None:
         """Keep ``value`` under ``key``, evicting the least recently used to fit."""
-        self._entries.pop(key, None)
+        self.discard(key)
         if self.max_entries == 0 or value.nbytes > self.max_bytes:
             return
         self._entries[key] = value
-        total = self.nbytes
-        while len(self._entries) > self.max_entries or total > self.max_bytes:
+        self._nbytes += value.nbytes
+        while len(self._entries) > self.max_entries or self._nbytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
-            total -= evicted.nbytes
+            self._nbytes -= evicted.nbytes
 
     def discard(self, key: str) -> None:
         """Drop the entry of ``key`` if there is one."""
-        self._entries.pop(key, None)
+        dropped = self._entries.pop(key, None)
+        if dropped is not None:
+            self._nbytes -= dropped.nbytes
 
     def clear(self) -> None:
         """Drop every entry."""
         self._entries.clear()
+        self._nbytes = 0
 
 
 # Per process on purpose: Flower calls the handlers as plain functions, so module
