@@ -321,3 +321,12 @@ TINY_DIGITS = {
 def make_grid(config: Mapping[str, Any], num_nodes: int, *, first_node: int = 100) -> FakeGrid:
     """A fake grid of ``num_nodes`` real ClientApps, node ``first_node + i`` on partition i."""
     return FakeGrid(node_contexts(config, num_nodes, first_node=first_node))
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")

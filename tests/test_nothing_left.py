@@ -13,6 +13,7 @@ and checks by process id that every recorded process has ended.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import process_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,15 +62,6 @@ def _naming(text: str) -> set[int]:
             if text in cmdline:
                 out.add(int(entry.name))
     return out
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    return state in ("Z", "X")
 
 
 @pytest.mark.slow
@@ -115,7 +109,7 @@ def test_ctrl_c_mid_run_on_a_loaded_machine_leaves_no_process(tmp_path: Path) ->
 
         # Assert: every process of the run's tree has ended
         time.sleep(1.0)
-        left = {pid: _cmdline(pid) for pid in seen if not _gone(pid)}
+        left = {pid: _cmdline(pid) for pid in seen if not process_gone(pid)}
         assert left == {}, f"processes left running after Ctrl-C: {left}"
     finally:
         if script is not None and script.poll() is None:
@@ -130,8 +124,6 @@ _CMDLINES: dict[int, str] = {}
 
 def _cmdline(pid: int) -> str:
     """A process's command line (remembered, so it can be named after it ended)."""
-    try:
+    with contextlib.suppress(OSError):
         _CMDLINES[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode()
-    except OSError:
-        pass
     return _CMDLINES.get(pid, "?")

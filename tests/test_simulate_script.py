@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import process_gone
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_FLWR = """#!{python}
@@ -177,15 +179,6 @@ else:
 """
 
 
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    return state in ("Z", "X")
-
-
 def test_stopping_the_local_superlink_ends_its_whole_tree_on_a_loaded_machine(
     tmp_path: Path,
 ) -> None:
@@ -229,7 +222,7 @@ def test_stopping_the_local_superlink_ends_its_whole_tree_on_a_loaded_machine(
 
         # Assert: every process of the tree has ended, by process id
         time.sleep(0.5)
-        assert [pid for pid in tree if not _gone(pid)] == []
+        assert [pid for pid in tree if not process_gone(pid)] == []
     finally:
         for proc in load:
             proc.kill()
