@@ -159,12 +159,16 @@ def main(grid: Grid, context: Context) -> None:
     can run (:func:`tessera.attacks.require_client_side`).
     """
     from strategies.core import fused
+    from strategies.core.exchange import is_simulation
     from tessera.attacks import require_client_side
     from tessera.data import plot_label_distribution
+    from tessera.sim_engine import index_messages_by_node
 
     started = time.monotonic()
     require_client_side(RunConfig.from_flower(context.run_config))
     fused.start_warm_up()  # the aggregation loops load while the server waits for nodes
+    if is_simulation(grid):  # Flower's engine then finds each node's message in O(1)
+        index_messages_by_node()
     server = build_server(context.run_config)
     run, env, writer, runner = server.env.run, server.env, server.writer, server.runner
     log.info(

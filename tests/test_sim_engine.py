@@ -1,0 +1,157 @@
+"""``tessera.sim_engine``: Flower's in-memory message store, indexed by node.
+
+Flower's own ``InMemoryLinkState`` is set up as ``flwr.simulation.run_simulation``
+sets it up (a run, nodes registered by the engine's ``_register_nodes``, messages
+pushed through ``InMemoryGrid``), once with Flower's method and once with the index,
+and the same sequence of operations must give the same answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+import tessera.sim_engine as sim_engine
+
+
+@pytest.fixture(autouse=True)
+def flower_restored() -> Iterator[None]:
+    sim_engine.restore_flower()
+    yield
+    sim_engine.restore_flower()
+
+
+def simulation_state(num_nodes: int) -> tuple[Any, Any, list[int]]:
+    """A real in-memory LinkState and grid as ``run_simulation`` builds them."""
+    from flwr.common.typing import Run
+    from flwr.proto.task_pb2 import Task  # pylint: disable=no-name-in-module
+    from flwr.server.grid.inmemory_grid import InMemoryGrid
+    from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.superlink.federation import NoOpFederationManager
+
+    factory = LinkStateFactory(
+        FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory()
+    )
+    state = factory.state()
+    run = Run.create_empty(run_id=7)
+    run.primary_task_id = 11
+    run.federation = NOOP_FEDERATION
+    state.run_ids[run.run_id] = RunRecord(run=run)
+    state.task_store[11] = Task(task_id=11, run_id=run.run_id)
+    nodes = list(_register_nodes(num_nodes, factory))
+    grid = InMemoryGrid(state_factory=factory)
+    grid.set_run(run)
+    return state, grid, nodes
+
+
+def push(grid: Any, nodes: list[int], tag: int, *, ttl: float = 600.0) -> list[str]:
+    messages = [
+        Message(
+            RecordDict({"c": ConfigRecord({"tag": tag, "to": n})}),
+            dst_node_id=n,
+            message_type="train",
+            ttl=ttl,
+        )
+        for n in nodes
+    ]
+    return [m for m in grid.push_messages(messages) if m]
+
+
+def sweep(state: Any, nodes: list[int], limit: int | None = 1) -> list[tuple[int, int]]:
+    """What the engine's thread does: ask every node for its next message.
+
+    Returns (node position, message tag) pairs: node ids are drawn at random.
+    """
+    out = []
+    for node in nodes:
+        for msg in state.get_message_ins(node_id=node, limit=limit):
+            config = msg.content.config_records["c"]
+            assert msg.metadata.delivered_at != ""
+            out.append((nodes.index(int(config["to"])), int(config["tag"])))
+    return out
+
+
+def scenario(indexed: bool) -> list[Any]:
+    """One sequence of stores, lookups, expiries and deletions; every answer recorded."""
+    if indexed:
+        assert sim_engine.index_messages_by_node()
+    state, grid, nodes = simulation_state(6)
+    answers: list[Any] = []
+    first = push(grid, nodes, tag=1)
+    push(grid, nodes[:2], tag=2)  # two nodes get a second message
+    answers.append(sweep(state, nodes))  # each node's first message
+    answers.append(sweep(state, nodes))  # nodes 0 and 1: their second
+    answers.append(sweep(state, nodes))  # nothing left undelivered
+    state.delete_messages(set(first[:3]))  # replies pulled: deleted
+    push(grid, nodes[4:], tag=3, ttl=0.05)  # soon expired
+    time.sleep(0.1)
+    push(grid, nodes[3:5], tag=4)
+    answers.append(sweep(state, nodes, limit=None))  # the expired ones are dropped
+    answers.append(state.num_message_ins())
+    return answers
+
+
+def test_the_index_answers_as_flower_does() -> None:
+    # Execute
+    flower = scenario(indexed=False)
+    sim_engine.restore_flower()
+    indexed = scenario(indexed=True)
+
+    # Assert: the same messages, in the same order, delivered once; expired ones gone
+    assert indexed == flower
+    assert flower[0] == [(i, 1) for i in range(6)]
+    assert flower[1] == [(0, 2), (1, 2)]
+    assert flower[2] == []
+    assert flower[3] == [(3, 4), (4, 4)]  # node 4's and 5's expired tag-3 messages are gone
+
+
+def checks_in_two_sweeps(monkeypatch: pytest.MonkeyPatch, nodes: int) -> tuple[int, int]:
+    """Messages Flower checks (expiry, federation) in two engine sweeps; and those delivered."""
+    state, grid, ids = simulation_state(nodes)
+    push(grid, ids, tag=1)
+    checks = 0
+    real = type(state)._check_stored_messages
+
+    def counting(self: Any, message_ids: set[str]) -> None:
+        nonlocal checks
+        checks += len(message_ids)
+        real(self, message_ids)
+
+    monkeypatch.setattr(type(state), "_check_stored_messages", counting)
+    delivered = len(sweep(state, ids)) + len(sweep(state, ids))
+    monkeypatch.undo()
+    return checks, delivered
+
+
+def test_a_sweep_no_longer_walks_every_stored_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Execute: 300 nodes with a message each, two sweeps as the engine's thread makes
+    # them, with Flower's walk and with the index
+    flower, flower_delivered = checks_in_two_sweeps(monkeypatch, 300)
+    assert sim_engine.index_messages_by_node()
+    indexed, indexed_delivered = checks_in_two_sweeps(monkeypatch, 300)
+
+    # Assert: each message delivered once either way; Flower walks the store for
+    # every node (about 300 x 150 checks, then 300 x 300), the index checks each
+    # node's own message (about 300 a sweep)
+    assert flower_delivered == indexed_delivered == 300
+    assert flower > 100_000
+    assert indexed <= 2 * 300 + 10
+
+
+def test_another_flower_version_keeps_flower_s_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flwr
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+
+    original = InMemoryLinkState.get_message_ins
+    monkeypatch.setattr(flwr, "__version__", "9.9.9")
+
+    assert sim_engine.index_messages_by_node() is False
+    assert InMemoryLinkState.get_message_ins is original
