@@ -210,3 +210,22 @@ def stop_group(proc: subprocess.Popen[Any]) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`KeyboardInterrupt` as Ctrl-C does.
+
+    Python's default SIGTERM ends the process without running ``finally`` blocks, so
+    a benchmark killed with ``kill`` would leave the simulation it started (in a
+    process group of its own) running; this lets its clean-up (:func:`stop_group`) run.
+    """
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

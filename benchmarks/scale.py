@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import stop_group
+from benchmarks.harness import sigterm_as_ctrl_c, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
@@ -151,13 +151,14 @@ def run_size(
         with log_path.open("w") as fh:
             # its own process group, stopped with everything in it (SuperLink, the
             # simulation engine, Ray) if this benchmark is interrupted or fails
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            proc = None
             try:
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 proc.wait()
             finally:
-                if proc.poll() is None:
+                if proc is not None and proc.poll() is None:
                     stop_group(proc)
         wall = time.monotonic() - start
         if proc.returncode != 0 or not _complete(metrics):
@@ -332,16 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 2:
         parser.error(f"--nodes {args.nodes!r}: give sizes of 2 or more, e.g. 10,50,100")
     rows: list[dict[str, Any]] = []
-    for nodes in sizes:
-        data = make_dataset(
-            args.out / f"data-{nodes}.npz", n_train=train_samples(nodes, args.per_node), n_test=2000
-        )
-        rows.append(
-            run_size(
-                nodes, data=data.resolve(), out=args.out, timeout=args.timeout, scheme=args.scheme
+    with sigterm_as_ctrl_c():  # `kill` stops the running simulation too
+        for nodes in sizes:
+            data = make_dataset(
+                args.out / f"data-{nodes}.npz",
+                n_train=train_samples(nodes, args.per_node),
+                n_test=2000,
             )
-        )
-        log.info("%d nodes: round 2 took %.1f s", nodes, rows[-1]["round_seconds"])
+            rows.append(
+                run_size(
+                    nodes,
+                    data=data.resolve(),
+                    out=args.out,
+                    timeout=args.timeout,
+                    scheme=args.scheme,
+                )
+            )
+            log.info("%d nodes: round 2 took %.1f s", nodes, rows[-1]["round_seconds"])
     text = markdown(rows)
     print(text)
     (args.out / "table.md").write_text(text + "\n")

@@ -127,3 +127,44 @@ def _cmdline(pid: int) -> str:
     with contextlib.suppress(OSError):
         _CMDLINES[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode()
     return _CMDLINES.get(pid, "?")
+
+
+# A benchmark in miniature: it starts a "simulation" (a process tree in a session of
+# its own, as benchmarks/scale.py starts scripts/simulate.sh) and waits for it.
+BENCHMARK = """
+import subprocess, sys
+from benchmarks.harness import sigterm_as_ctrl_c, stop_group
+
+with sigterm_as_ctrl_c():
+    proc = subprocess.Popen(
+        ["bash", "-c", "sleep 300 & sleep 300 & echo $$ $(jobs -p); wait"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        print(proc.stdout.readline().strip(), flush=True)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            stop_group(proc)
+"""
+
+
+def test_a_benchmark_stopped_with_kill_stops_the_simulation_it_started(tmp_path: Path) -> None:
+    # Prepare: the miniature benchmark, and the process ids of its child's tree
+    bench = subprocess.Popen(
+        [sys.executable, "-c", BENCHMARK],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert bench.stdout is not None
+    tree = [int(pid) for pid in bench.stdout.readline().split()]
+    assert len(tree) == 3
+
+    # Execute: `kill` (SIGTERM), which by default ends Python without its clean-up
+    bench.terminate()
+    bench.wait(timeout=60)
+
+    # Assert: the child's whole group ended with it
+    time.sleep(0.5)
+    assert [pid for pid in tree if not process_gone(pid)] == []
