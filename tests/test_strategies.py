@@ -32,6 +32,7 @@ from strategies.baselines.fedprox import FedProxClient, FedProxOptions, proximal
 from strategies.core import registry as scheme_registry
 from strategies.core.exchange import (
     MAX_POLL_INTERVAL,
+    PENDING_WAIT,
     POLL_COST_FACTOR,
     exchange,
     poll_wait,
@@ -782,6 +783,11 @@ def test_poll_wait_backs_off_and_never_undercuts_the_poll_cost() -> None:
     assert poll_wait(0.9, got_any=False, poll_seconds=0.5, poll=0.02) == pytest.approx(2.0)
     # a floor above the cap is kept (a caller asking for slow polls gets them)
     assert poll_wait(3.0, got_any=False, poll_seconds=0.0, poll=3.0) == 3.0
+    # and 0.1 ms per pending reply: 2,000 pending -> 0.2 s; 50 pending -> the floor
+    assert poll_wait(0.02, got_any=True, poll_seconds=0.0, poll=0.02, pending=2000) == (
+        pytest.approx(2000 * PENDING_WAIT)
+    )
+    assert poll_wait(0.02, got_any=True, poll_seconds=0.0, poll=0.02, pending=50) == 0.02
 
 
 def test_exchange_spaces_costly_polls_and_times_the_server_s_own_work(

@@ -40,6 +40,13 @@ POLL_COST_FACTOR = 4.0
 takes at most a fifth of the server's time however many replies are pending (a poll
 asks for every pending reply: with thousands pending, a poll of tens of milliseconds
 every 20 ms would starve the rest of the server)."""
+PENDING_WAIT = 1e-4
+"""Seconds of pause per pending reply (0.1 s with 1,000 pending). A poll asks the
+SuperLink about every pending reply (Flower checks each id), so polls at a fixed
+interval cost each reply work in proportion to the round's length, that is to the
+node count; a pause that grows with what is pending keeps the polls per reply, and
+so the server's pulling work per reply, constant (a reply then waits for its pull
+about 0.05 ms per pending node on average: 0.25 s of a 5,000-node round)."""
 PULL_CHUNK = 8
 """Fewest replies asked for per pull call (payloads of 8 MiB or more)."""
 MAX_PULL_CHUNK = 256
@@ -64,12 +71,15 @@ def pull_chunk(payload_bytes: int) -> int:
     return max(PULL_CHUNK, min(MAX_PULL_CHUNK, HELD_BYTES // max(1, payload_bytes)))
 
 
-def poll_wait(previous: float, *, got_any: bool, poll_seconds: float, poll: float) -> float:
+def poll_wait(
+    previous: float, *, got_any: bool, poll_seconds: float, poll: float, pending: int = 0
+) -> float:
     """Return the pause before the next poll.
 
     Back to ``poll`` after a poll that brought replies, else 1.5 times the previous
     pause (at most :data:`MAX_POLL_INTERVAL`, or ``poll`` when that is longer); never
-    less than :data:`POLL_COST_FACTOR` times the last poll's duration.
+    less than :data:`POLL_COST_FACTOR` times the last poll's duration, nor than
+    :data:`PENDING_WAIT` per reply still pending.
 
     Examples
     --------
@@ -81,9 +91,11 @@ def poll_wait(previous: float, *, got_any: bool, poll_seconds: float, poll: floa
     1.0
     >>> poll_wait(0.02, got_any=True, poll_seconds=0.05, poll=0.02)
     0.2
+    >>> round(poll_wait(0.02, got_any=True, poll_seconds=0.001, poll=0.02, pending=5000), 3)
+    0.5
     """
     wait = poll if got_any else min(previous * 1.5, max(poll, MAX_POLL_INTERVAL))
-    return max(wait, POLL_COST_FACTOR * poll_seconds)
+    return max(wait, POLL_COST_FACTOR * poll_seconds, PENDING_WAIT * pending)
 
 
 TRANSIENT_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
@@ -298,7 +310,11 @@ def exchange(
         # poll quickly while replies come in, back off while none do: a round of
         # hundreds of nodes is otherwise polled hundreds of times for nothing
         wait = poll_wait(
-            wait, got_any=got_any, poll_seconds=result.pull_seconds - pulled_before, poll=poll
+            wait,
+            got_any=got_any,
+            poll_seconds=result.pull_seconds - pulled_before,
+            poll=poll,
+            pending=len(pending),
         )
         time.sleep(min(wait, max(deadline - time.monotonic(), 0.0)))
     for node in pending.values():
