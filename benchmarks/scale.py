@@ -230,6 +230,31 @@ def flatness(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def linear_fit(rows: list[dict[str, Any]], key: str) -> tuple[float, float, float]:
+    """Least-squares ``key = a + b * nodes`` over the sizes of :data:`FLAT_FROM` or more.
+
+    A cost with a fixed part (Ray's start in the handshake, the engine's 0.1 s sweep in
+    a round) is linear in the nodes when it fits a line, though its per-node ratio
+    falls with size. Returns ``a`` (s), ``b`` (s a node) and the largest deviation
+    from the line as a share of the value (NaN with fewer than three sizes).
+
+    Examples
+    --------
+    >>> rows = [{"nodes": n, "h": 5.0 + 0.006 * n} for n in (50, 500, 5000)]
+    >>> a, b, worst = linear_fit(rows, "h")
+    >>> round(a, 3), round(b, 4), round(worst, 6)
+    (5.0, 0.006, 0.0)
+    """
+    big = [r for r in rows if r["nodes"] >= FLAT_FROM]
+    if len(big) < 3:
+        return math.nan, math.nan, math.nan
+    x = np.array([r["nodes"] for r in big], dtype=float)
+    y = np.array([r[key] for r in big], dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    worst = float(np.max(np.abs(y - (intercept + slope * x)) / np.abs(y)))
+    return float(intercept), float(slope), worst
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table, then the flatness ratios against the goal."""
     head = (
@@ -258,6 +283,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"{flat['server_per_reply']:.2f}, first handshake per node "
         f"{flat['handshake_per_node']:.2f}.",
     ]
+    for key, what in (("round_seconds", "round 2"), ("first_handshake_seconds", "handshake")):
+        a, b, worst = linear_fit(rows, key)
+        lines.append(
+            f"Least squares over the same sizes: {what} = {a:.2f} s + {1000 * b:.2f} ms a node "
+            f"(largest deviation from the line {100 * worst:.0f} %)."
+        )
     return "\n".join(lines)
 
 

@@ -92,3 +92,14 @@ def test_flatness_is_max_over_min_from_fifty_nodes(bench: ModuleType) -> None:
     assert flat["server_per_reply"] == pytest.approx(3.0)
     assert flat["handshake_per_node"] == pytest.approx(1.0)
     assert bench.flatness(rows[:2])["per_node"] != bench.flatness(rows[:2])["per_node"]  # NaN
+
+
+def test_linear_fit_recovers_a_fixed_part_and_a_slope(bench: ModuleType) -> None:
+    # by hand: 5 s + 6 ms a node, the 5,000-node size 10 % above the line
+    rows = [{"nodes": n, "h": 5.0 + 0.006 * n} for n in (10, 50, 500, 1000, 2000)]
+    rows.append({"nodes": 5000, "h": 1.1 * (5.0 + 0.006 * 5000)})
+
+    a, b, worst = bench.linear_fit(rows[:-1], "h")
+    assert (a, b, worst) == (pytest.approx(5.0), pytest.approx(0.006), pytest.approx(0, abs=1e-9))
+    assert bench.linear_fit(rows, "h")[2] > 0.03  # the outlier shows as a deviation
+    assert bench.linear_fit(rows[:3], "h")[0] != bench.linear_fit(rows[:3], "h")[0]  # NaN
