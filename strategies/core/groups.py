@@ -218,13 +218,25 @@ class GroupModels:
                         clip.bound,
                     )
                     continue
-                log.info(
+                # per node at DEBUG: with clip-factor 1 about half the cohort is clipped
+                # every round, thousands of lines a round in a large federation
+                log.debug(
                     "node %s: %s of '%s' clipped from distance %.4g to %.4g (aggregator '%s')",
                     node,
                     clip.kind,
                     arch,
                     clip.distance,
                     clip.bound,
+                    self.aggregator.name,
+                )
+            clipped_nodes = {c.position for c in report.clips if c.kind != DIRECTION}
+            if clipped_nodes:
+                log.info(
+                    "'%s': %d of %d update(s) clipped to the bound (aggregator '%s'; "
+                    "which and by how much: 'clipped' in metrics.jsonl)",
+                    arch,
+                    len(clipped_nodes),
+                    rnd.pending[arch].count,
                     self.aggregator.name,
                 )
             self.reports[arch] = report
