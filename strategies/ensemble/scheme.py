@@ -96,7 +96,7 @@ class EnsembleOptions:
     def parse(cls, run_config: Mapping[str, Any]) -> EnsembleOptions:
         """Read and check the options."""
         r = ConfigReader(run_config, "run-config")
-        text = r.get("ensemble-optimizer", str, "tpe,gradient")
+        text = r.get("ensemble-optimizer", str, ",".join(cls.optimizers))
         names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
         unknown = [n for n in names if n not in OPTIMIZERS]
         if not names or unknown:
@@ -104,22 +104,22 @@ class EnsembleOptions:
                 f"run-config 'ensemble-optimizer' is {text!r}; give one or more of "
                 f"{', '.join(OPTIMIZERS)} separated by commas"
             )
-        trials = r.get("ensemble-trials", int, 50)
+        trials = r.get("ensemble-trials", int, cls.trials)
         if trials < 1:
             raise ConfigError(f"run-config 'ensemble-trials' is {trials}; give 1 or more (50)")
-        every = r.get("ensemble-tune-every", int, 0)
+        every = r.get("ensemble-tune-every", int, cls.tune_every)
         if every < 0:
             raise ConfigError(
                 f"run-config 'ensemble-tune-every' is {every}; give 0 (after the last round "
                 "only) or a positive number of rounds"
             )
-        fraction = r.get("ensemble-validation-fraction", float, 0.3)
+        fraction = r.get("ensemble-validation-fraction", float, cls.validation_fraction)
         if not 0 < fraction < 1:
             raise ConfigError(
                 f"run-config 'ensemble-validation-fraction' is {fraction}; give a share of "
                 "the server pool in (0, 1), e.g. 0.3"
             )
-        steps = r.get("ensemble-gradient-steps", int, 500)
+        steps = r.get("ensemble-gradient-steps", int, cls.gradient_steps)
         if steps < 1:
             raise ConfigError(
                 f"run-config 'ensemble-gradient-steps' is {steps}; give 1 or more (500)"

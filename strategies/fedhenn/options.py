@@ -111,17 +111,18 @@ class FedHeNNOptions(FedAvgOptions):
         options = cls(
             arch=base.arch,
             exclude_unfit=base.exclude_unfit,
-            mode=choice("fedhenn-mode", MODES, HETEROGENEOUS),
-            kernel=choice("cka-kernel", KERNELS, "linear"),
-            unbiased=choice("cka-estimator", ESTIMATORS, "biased") == "unbiased",
-            eta0=r.get("eta0", float, 0.001),
-            eta_schedule=choice("eta-schedule", SCHEDULES, "sqrt"),
-            rad_size=r.get("rad-size", int, 5000),
-            rad_batch=r.get("rad-batch", int, 32),
-            align_every=r.get("align-every", int, 1),
-            kbar_weights=choice("kbar-weights", KBAR_WEIGHTS, "uniform"),
-            kbar_energy=r.get("kbar-energy", float, 0.99),
-            precision=choice("fedhenn-precision", PRECISIONS, "float16"),
+            mode=choice("fedhenn-mode", MODES, cls.mode),
+            kernel=choice("cka-kernel", KERNELS, cls.kernel),
+            unbiased=choice("cka-estimator", ESTIMATORS, "unbiased" if cls.unbiased else "biased")
+            == "unbiased",
+            eta0=r.get("eta0", float, cls.eta0),
+            eta_schedule=choice("eta-schedule", SCHEDULES, cls.eta_schedule),
+            rad_size=r.get("rad-size", int, cls.rad_size),
+            rad_batch=r.get("rad-batch", int, cls.rad_batch),
+            align_every=r.get("align-every", int, cls.align_every),
+            kbar_weights=choice("kbar-weights", KBAR_WEIGHTS, cls.kbar_weights),
+            kbar_energy=r.get("kbar-energy", float, cls.kbar_energy),
+            precision=choice("fedhenn-precision", PRECISIONS, cls.precision),
         )
         check(options.eta0 >= 0, "eta0", options.eta0, "use a non-negative value, e.g. 0.001")
         check(

@@ -49,7 +49,7 @@ class FMLOptions:
         from models import list_models
 
         reader = ConfigReader(run_config, "run-config")
-        meme = reader.get("fml-meme-arch", str).strip()
+        meme = reader.get("fml-meme-arch", str, cls.meme_arch).strip()
         known = list_models()
         if meme not in known:
             raise ConfigError(
@@ -57,8 +57,8 @@ class FMLOptions:
                 f"use one of {', '.join(known)}, e.g. cnn-2 (a small CNN)"
             )
         weights = {}
-        for key in ("fml-alpha", "fml-beta"):
-            value = reader.get(key, float)
+        for key, default in (("fml-alpha", cls.alpha), ("fml-beta", cls.beta)):
+            value = reader.get(key, float, default)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(
                     f"run-config '{key}' is {value!r}; use a weight in [0, 1], e.g. 0.5 "

@@ -112,29 +112,27 @@ class FedFAOptions(SubModelOptions):
     def parse(cls, run_config: Mapping[str, Any]) -> FedFAOptions:
         """Read the options from the run config."""
         r = ConfigReader(run_config, "run-config")
-        target = r.get("fedfa-target", str, "updates")
-        trim = r.get("fedfa-trim", str, "magnitude")
-        percentile = r.get("fedfa-percentile", float, 95.0)
-        target = _one_of("fedfa-target", r.get("fedfa-target", str, "updates"), TARGETS)
-        trim = _one_of("fedfa-trim", r.get("fedfa-trim", str, "magnitude"), TRIMS)
-        max_factor = r.get("fedfa-max-factor", float, 10.0)
+        percentile = r.get("fedfa-percentile", float, cls.percentile)
+        target = _one_of("fedfa-target", r.get("fedfa-target", str, cls.target), TARGETS)
+        trim = _one_of("fedfa-trim", r.get("fedfa-trim", str, cls.trim), TRIMS)
+        max_factor = r.get("fedfa-max-factor", float, cls.max_factor)
         if not (max_factor == 0 or max_factor >= 1):
             raise ConfigError(
                 f"run-config 'fedfa-max-factor' is {max_factor}; use 1 or more (e.g. 10), "
                 "or 0 for the paper's unbounded factor"
             )
-        slices = _one_of("fedfa-slices", r.get("fedfa-slices", str, "both"), SLICES)
+        slices = _one_of("fedfa-slices", r.get("fedfa-slices", str, cls.slices), SLICES)
         if not 0 < percentile <= 100:
             raise ConfigError(
                 f"run-config 'fedfa-percentile' is {percentile}; use a value in (0, 100], e.g. 95"
             )
         return cls(
             **cls.read(run_config),
-            scaling=r.get("fedfa-scaling", bool, True),
+            scaling=r.get("fedfa-scaling", bool, cls.scaling),
             target=target,
             trim=trim,
             percentile=percentile,
-            weighted=r.get("fedfa-weighted", bool, True),
+            weighted=r.get("fedfa-weighted", bool, cls.weighted),
             slices=slices,
             max_factor=max_factor,
             width_flexible=slices in ("both", "width"),

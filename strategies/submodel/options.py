@@ -95,9 +95,11 @@ class SubModelOptions:
                 raise ConfigError(f"run-config 'submodel-global': {err}") from None
         return {
             "global_model": global_model,
-            "widths": _parse_widths(r.get("submodel-widths", str, "1,0.5,0.25,0.125")),
-            "mask_classes": r.get("submodel-mask-classes", bool, True),
-            "scaler": r.get("submodel-scaler", bool, True),
+            "widths": _parse_widths(
+                r.get("submodel-widths", str, ",".join(f"{w:g}" for w in cls.widths))
+            ),
+            "mask_classes": r.get("submodel-mask-classes", bool, cls.mask_classes),
+            "scaler": r.get("submodel-scaler", bool, cls.scaler),
         }
 
     @classmethod
