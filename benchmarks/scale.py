@@ -308,12 +308,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         label="round 2 time per node",
     )
     flat.plot(
-        nodes,
-        [1000 * r["first_handshake_seconds"] / r["nodes"] for r in rows],
-        "^-",
-        label="round 1 handshake per node",
-    )
-    flat.plot(
         nodes, [server_work_ms(r) for r in rows], "s--", label="server's own work per reply (CPU)"
     )
     flat.set_xscale("log")
@@ -321,7 +315,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     flat.set_xlabel("simulated nodes")
     flat.set_ylabel("ms")
     flat.legend(fontsize=8)
-    flat.set_title("cost per node (flat = linear)")
+    flat.set_title("cost per node (flat = linear; handshake: middle)")
     total.loglog(nodes, [r["round_seconds"] for r in rows], "o-", label="round 2 wall time")
     total.loglog(
         nodes, [r["first_handshake_seconds"] for r in rows], "^-", label="round 1 handshake"

@@ -165,16 +165,22 @@ def test_hostile_nodes_are_bounded_in_real_simulation(
     assert attacked_acc >= clean_acc - 0.1, (attacked_acc, clean_acc)
 
 
+PERSONALISE_IN_SIM = {"flexifed": "finetune", "nefl": "ditto"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["heterofl", "flexifed", "nefl", "fedfa"])
 def test_submodel_schemes_train_slices_in_real_simulation(scheme: str, tmp_path: Path) -> None:
     # a weak and a strong device pick different slices of preresnet26_025; static
     # batch norm as in the schemes' papers (with plain batch norm the averaged
     # running statistics fit no slice and the global model can sit at chance)
+    # two of them personalise too (run-config personalise in real simulation: the
+    # personal parts in node state, the records naming the mode)
+    personalise = PERSONALISE_IN_SIM.get(scheme, "none")
     run_config = (
         f"strategy='{scheme}' num-server-rounds=2 local-epochs=1 model-family='preresnet' "
         "submodel-widths='1,0.25' sim-device-profiles='cpu-small,jetson-orin' "
-        "norm='static-batch'"
+        f"norm='static-batch' personalise='{personalise}'"
     )
     rounds = [
         json.loads(line)
@@ -187,6 +193,9 @@ def test_submodel_schemes_train_slices_in_real_simulation(scheme: str, tmp_path:
         assert r["num_ok"] == 3 and r["num_rejected"] == 0
         assert set(r["submodel_accuracy"]) >= {"preresnet26_025"}
         assert sum(r["slices"].values()) == 3
+        assert r["personalise"] == personalise
+        # finetune and ditto also measure the shared model on the same splits
+        assert (r["shared_accuracy_mean"] is not None) == (personalise != "none")
     # measured in process with this config, fedfa over seeds 1, 2, 3, 42: 0.48-0.67
     # after round 2 (chance is 0.1; with norm='batch' it stayed at 0.10-0.13)
     assert rounds[-1]["global_accuracy"] > 0.25
