@@ -252,12 +252,11 @@ def test_an_update_pointing_away_from_the_server_is_dropped_whole(
     acc.add(vec(2.0, 0.0), 1.0)
     acc.add(vec(-2.0, 1.0), 5.0)
     out = acc.result()["w"]
-    # Assert: the third is gone (its weight 5 too); the bound (streaming: 10; first
-    # round: lower median of the two kept, sqrt(2)) clips the first in the first round
-    if previous is None:
-        first = np.array([1.0, 1.0]) + np.sqrt(2.0) / np.sqrt(5.0) * np.array([2.0, 1.0])
-    else:
-        first = np.array([3.0, 2.0])
+    # Assert: the third is gone (its weight 5 too); nothing is clipped: the bound is
+    # 10 when streaming, and in the first round the lower median of all three sizes
+    # (sqrt 2, sqrt 5, 3: the dropped one's size counts for this round's bounds),
+    # sqrt 5, which the first (sqrt 5) does not exceed
+    first = np.array([3.0, 2.0])
     np.testing.assert_allclose(out, (first + np.array([2.0, 0.0])) / 2.0, rtol=1e-6)
     dropped = [c for c in acc.report().clips if c.kind == aggregators.DIRECTION]
     assert [(c.position, c.distance, c.bound) for c in dropped] == [(2, pytest.approx(-1.0), 0.0)]
@@ -300,7 +299,7 @@ def test_the_cosine_spans_every_entry_once() -> None:
         acc.add({"a": np.array([2.0], np.float32), "b": np.array([0.0], np.float32)}, 1.0)
         acc.add({"a": np.array([-1.0], np.float32), "b": np.array([1.0], np.float32)}, 1.0)
         acc.result()
-        (dropped,) = acc.report().clips
+        (dropped,) = [c for c in acc.report().clips if c.kind == aggregators.DIRECTION]
         assert dropped.distance == pytest.approx(-1.0 / np.sqrt(2.0))
 
 
@@ -428,3 +427,23 @@ def test_warm_up_leaves_every_loop_compiled_for_both_dtypes(measure_path: str) -
     for loop in (kernel, correct, fold):
         first_args = {str(signature[0]) for signature in loop.signatures}
         assert {"array(float32, 1d, C)", "array(float64, 1d, C)"} <= first_args, loop
+
+
+def test_a_lone_survivor_of_the_direction_check_is_bounded_by_the_round_s_sizes() -> None:
+    # Prepare: NeFL's case: a group of three in the first round, the server's own
+    # update along (1, 0); two honest updates point slightly away (dropped), the
+    # third (dense-scale, +-1e30) happens to point along it
+    ref = vec(0.0, 0.0)
+    direction = {"w": np.array([1.0, 0.0], np.float32)}
+    acc = MeanAccumulator(ref, clip_factor=1.0, direction=direction, threshold=0.0)
+    acc.add(vec(-0.1, 0.5), 1.0)  # size 0.51, cos -0.196: dropped
+    acc.add(vec(1e30, 1e30), 1.0)  # size 1.41e30, cos 0.707: kept
+    acc.add(vec(-0.05, -0.5), 1.0)  # size 0.50, cos -0.0995: dropped
+
+    # Execute
+    out = acc.result()["w"]
+
+    # Assert: bounded by the lower median of the three sizes (0.51), not by its own
+    # size (before: the ceiling, or 1e30 without one)
+    np.testing.assert_allclose(np.linalg.norm(out), np.hypot(0.1, 0.5), rtol=1e-5)
+    np.testing.assert_allclose(out, np.hypot(0.1, 0.5) / np.sqrt(2.0) * np.ones(2), rtol=1e-5)

@@ -116,7 +116,13 @@ class MeanAccumulator:
     threshold : float
         An update whose learned parameters have a cosine of at most this with
         ``direction`` is dropped whole (recorded as a :class:`Clip` of kind
-        :data:`DIRECTION`); it neither moves the model nor enters the scale.
+        :data:`DIRECTION`); it neither moves the model nor enters the next round's
+        scale. In the first round (no scale yet) its size still counts among the
+        round's own sizes that set this round's bounds: when the check drops
+        every honest update of a small group, the one left (an attacker whose
+        random direction passed) is bounded by the group's sizes, not alone by
+        its own (NeFL's per-slice normalisation, 2 of 3 dropped: a dense +-1e30
+        update was bounded by the ceiling and took the slice to chance).
     """
 
     def __init__(
@@ -346,12 +352,15 @@ class MeanAccumulator:
         """
         if not self._buffer:
             return
-        kept = [item for item in self._buffer if not self._refused(item[0], item[4])]
-        bounds = self.scales.round_bounds([(item[3], item[5]) for item in kept])
-        for (position, checked, w, distances, _, covered), own_bounds in zip(
-            kept, bounds, strict=True
+        # the bounds from every measured update's size, the folds from those the
+        # direction check keeps (see the class docstring)
+        bounds = self.scales.round_bounds([(item[3], item[5]) for item in self._buffer])
+        refused = [self._refused(item[0], item[4]) for item in self._buffer]
+        for (position, checked, w, distances, _, covered), own_bounds, dropped in zip(
+            self._buffer, bounds, refused, strict=True
         ):
-            self._fold(checked, w, self._accept(position, distances, own_bounds, covered))
+            if not dropped:
+                self._fold(checked, w, self._accept(position, distances, own_bounds, covered))
         self._buffer = []
 
     def result(self) -> dict[str, np.ndarray]:
