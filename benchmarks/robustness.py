@@ -19,7 +19,12 @@ A. **Accuracy under attack** (``--parts accuracy``). Federations of ``--nodes`` 
      of the *honest* clients (each on its own test split), since Felo's global models
      are per-architecture groups and what a client uses is its own model; under
      ``knowledge-merge`` ``mean`` (bounded), ``mean-unbounded`` (``clip-factor=0``,
-     which also unbounds the group weight average) and ``median``.
+     which also unbounds the group weight average) and ``median``;
+   - the rest of every scheme, each with its default ``mean`` (``--schemes``):
+     ``fedavg-groups`` (the mean of its groups' global accuracies), the other
+     sub-model schemes ``flexifed``, ``nefl`` and ``fedfa`` (as ``heterofl``: their
+     default ``preresnet``, static batch norm), and the knowledge schemes ``fedhe``
+     and ``fedtgp`` (as ``felo``: the honest clients' personalised accuracy).
 
    The defences are told the attack's size, as an operator sizing them for a fleet
    would: ``krum-byzantine`` is the number of attackers (1 in the clean run) and
