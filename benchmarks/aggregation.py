@@ -20,6 +20,8 @@ Three measurements, each printed as a Markdown table and written to
    excluded, over one model's bytes: the float64 sums (two models: the price of a
    result that does not depend on the order replies arrive in), the one update
    alive and the float32 result. Target: <= 4, whatever the number of updates.
+   The default bounded ``mean`` is measured too: it folds updates in pairs, so
+   two are alive while it folds (about one model more).
 3. **Peak memory of FedFA's scalable aggregation**
    (:class:`strategies.submodel.ScalableAccumulator`) for ``--fedfa-clients``
    clients at mixed widths (1, 1/2, 1/4): the peak must not grow with the clients.
@@ -394,6 +396,33 @@ def measure_mean_memory(params: int, updates: int) -> Memory:
     return Memory("mean, streaming", updates, peak, model_bytes(reference))
 
 
+def measure_bounded_memory(params: int, updates: int) -> Memory:
+    """Peak of the default bounded ``mean`` (bound known) on updates generated one at a time.
+
+    It folds the updates in pairs (:meth:`strategies.core.mean.MeanAccumulator.add`),
+    so one update waits for the next: one model more than the plain mean.
+    """
+    shapes = model_shapes(params)
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    # a standard normal update is about sqrt(params) from zero: about half are clipped
+    previous = AccumulatorReport(medians={"parameters": float(np.sqrt(params))})
+
+    def run() -> None:
+        accumulator = MeanAggregator(clip_factor=BOUND_FACTOR).accumulator(
+            reference, previous=previous
+        )
+        for seed in range(updates):
+            update = make_update(shapes, seed)
+            accumulator.add(update, float(1 + seed % 9))
+            del update
+        accumulator.result()
+
+    peak = traced_peak(run)
+    return Memory(
+        "mean, bounded (default), streaming in pairs", updates, peak, model_bytes(reference)
+    )
+
+
 def measure_buffered_memory(params: int, updates: int) -> Memory:
     """Peak of the buffered ``weighted_average`` given the updates in a list."""
     shapes = model_shapes(params)
@@ -611,9 +640,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     throughput = measure_throughput(args.params, args.clients, args.repeats)
     # warm-up: first calls allocate once (imports, numpy's percentile), not per update
     measure_mean_memory(1000, 2)
+    measure_bounded_memory(1000, 3)
     measure_fedfa_memory(1000, 2)
     memories = [
         measure_mean_memory(args.params, args.memory_updates),
+        measure_bounded_memory(args.params, args.memory_updates),
         measure_buffered_memory(args.params, args.buffered_updates),
         *(measure_fedfa_memory(args.fedfa_params, c) for c in args.fedfa_clients),
     ]

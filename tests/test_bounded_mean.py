@@ -331,6 +331,165 @@ def test_the_compiled_pass_measures_past_float32_and_folds_a_prefix(
     assert fused.measure_fold(half, half, None, 1.0, 0.0, None, None) is None
 
 
+def test_the_compiled_pair_keeps_each_update_s_own_prefix_square_and_dot(
+    measure_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if measure_path != "fused":
+        pytest.skip("the compiled pass itself")
+    # Prepare: blocks of 2; the first update's differences (1e30, 0 | 3, 4) overflow
+    # float32 in its first block, the second's (1, 0 | 0, 2) do not
+    monkeypatch.setattr(fused, "BLOCK", 2)
+    base = np.array([0.0, 1.0, 0.0, 1.0], np.float32)
+    first = np.array([1e30, 1.0, 3.0, 5.0], np.float32)
+    second = np.array([1.0, 1.0, 0.0, 3.0], np.float32)
+    direction = np.array([1.0, 7.0, 2.0, 0.5], np.float32)
+    total = np.zeros(4, np.float64)
+    # Execute: limit 1 for the first (passed in its first block: nothing folded);
+    # limit 2 for the second (square 1 after block 1, 5 after block 2: one block)
+    result = fused.measure_fold_pair(
+        first, second, base, total, (2.0, 3.0), (0.0, 0.0), (1.0, 2.0), direction
+    )
+    # Assert: squares and dots by hand, each update's own folded prefix
+    assert result is not None
+    done1, done2, square1, square2, dot1, dot2 = result
+    assert (done1, done2) == (0, 2)
+    assert square1 == pytest.approx(float(np.float32(1e30)) ** 2 + 25.0)
+    assert dot1 == pytest.approx(float(np.float32(1e30)) + 8.0)
+    assert (square2, dot2) == (pytest.approx(5.0), pytest.approx(2.0))
+    np.testing.assert_array_equal(total, [3.0, 3.0, 0.0, 0.0])
+    # both within: both fold every block, in one pass; a limit of None folds nothing
+    total[:] = 0.0
+    both = fused.measure_fold_pair(
+        second, second, base, total, (1.0, 2.0), (0.0, 0.0), (1e9, None), None
+    )
+    assert both is not None and both[:2] == (4, 0) and both[4:] == (0.0, 0.0)
+    np.testing.assert_array_equal(total, second.astype(np.float64))
+    # mismatched dtypes take one update at a time
+    assert (
+        fused.measure_fold_pair(
+            first, first.astype(np.float64), base, total, (1.0, 1.0), (0.0, 0.0), (1.0, 1.0), None
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+@pytest.mark.parametrize("previous", [{"parameters": 2.0, "statistics": 1.0}, None])
+def test_updates_folded_in_pairs_equal_updates_folded_one_by_one(
+    chunk: int,
+    previous: dict[str, float] | None,
+    measure_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: an odd number of updates of two kinds of entries, some within the
+    # bound, some clipped mid-entry, one reversed (dropped by the direction check),
+    # one dense 1e30, one with only its statistics far out, one a slice (it breaks a
+    # pair and streams alone); the same round folded with pairs and with pairing off
+    # (non-finite updates never get here: validation refuses them)
+    blocks(monkeypatch, chunk)
+    rng = np.random.default_rng(7)
+    ref = {
+        "a": rng.standard_normal(7).astype(np.float32),
+        "b": rng.standard_normal(4).astype(np.float32),
+        "bn.running_var": np.ones(3, np.float32),
+    }
+    direction = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in ref.items()}
+    direction["bn.running_var"] = np.zeros(3, np.float32)
+
+    def near(scale: float) -> dict[str, np.ndarray]:
+        return {
+            k: (v + scale * (direction[k] + rng.standard_normal(v.shape))).astype(np.float32)
+            for k, v in ref.items()
+        }
+
+    updates: list[tuple[dict[str, np.ndarray], float, Any]] = [
+        (near(0.3), 3.0, None),
+        (near(2.0), 1.0, None),  # clipped
+        ({k: (2 * ref[k] - v).astype(np.float32) for k, v in near(0.5).items()}, 2.0, None),
+        ({k: np.full_like(v, 1e30) for k, v in ref.items()}, 1.0, None),
+        (near(0.2), 5.0, None),
+        ({"a": near(0.4)["a"][:3]}, 2.0, {"a": (slice(0, 3),)}),
+        ({**near(0.1), "bn.running_var": np.full(3, 50.0, np.float32)}, 1.0, None),
+        (near(0.25), 4.0, None),
+        (near(1.5), 2.0, None),
+    ]
+
+    pair_calls: list[int] = []
+    pair = fused.measure_fold_pair
+
+    def counted(*args: Any) -> Any:
+        pair_calls.append(1)
+        return pair(*args)
+
+    def fold(pairs: bool) -> tuple[dict[str, np.ndarray], Any]:
+        monkeypatch.setattr(fused, "measure_fold_pair", counted)
+        if not pairs:
+            monkeypatch.setattr(MeanAccumulator, "_pairable", staticmethod(lambda _: False))
+        acc = MeanAccumulator(
+            ref, clip_factor=1.0, previous=previous, direction=direction, ceiling=10.0
+        )
+        for update, w, index in updates:
+            acc.add(update, w, index=index)
+        out = acc.result()
+        monkeypatch.undo()
+        blocks(monkeypatch, chunk)
+        return out, acc.report()
+
+    # Execute
+    paired, paired_report = fold(True)
+    paired_calls = len(pair_calls)
+    alone, alone_report = fold(False)
+    # Assert: the same means, clips, drops and next scales
+    for key in ref:
+        assert np.all(np.isfinite(paired[key]))
+        np.testing.assert_allclose(paired[key], alone[key], rtol=1e-6, atol=1e-6)
+    assert [(c.position, c.kind) for c in paired_report.clips] == [
+        (c.position, c.kind) for c in alone_report.clips
+    ]
+    assert any(c.kind == aggregators.DIRECTION for c in paired_report.clips)
+    # streaming (a previous scale) on the compiled path folds in pairs: 0-1, 2-3,
+    # 6-7 (4 is streamed alone when the slice comes, 8 at the result), 3 entries
+    # each; otherwise never
+    assert paired_calls == (9 if previous is not None and measure_path == "fused" else 0)
+    assert len(pair_calls) == paired_calls
+    assert paired_report.medians == pytest.approx(dict(alone_report.medians))
+
+
+def test_streaming_in_pairs_holds_two_updates_not_one_per_client() -> None:
+    """tracemalloc peak while the bounded mean streams 100 updates arriving one at a time.
+
+    The float64 sums are allocated by the first pair; then at most the held update
+    and the one arriving are alive (bound 2.5 models; buffering would need 100).
+    """
+    import tracemalloc
+
+    # Prepare: a bound about half the updates pass (a standard normal update is
+    # about sqrt(n) from zero)
+    shapes = {"a": (100, 500), "b": (40_000,)}
+    ref = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    model = sum(v.nbytes for v in ref.values())
+    rng = np.random.default_rng(3)
+    acc = MeanAccumulator(ref, clip_factor=1.0, previous={"parameters": math.sqrt(90_000)})
+    for _ in range(2):
+        acc.add({k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}, 1.0)
+
+    # Execute
+    tracemalloc.start()
+    try:
+        for i in range(100):
+            update = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+            acc.add(update, 1.0 + i % 5)
+            del update
+        folding = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    acc.result()
+
+    # Assert: two updates alive at most, some clipped, none buffered
+    assert folding < 2.5 * model
+    assert 0 < len(acc.report().clips) < 102
+
+
 # ------------------------------------------------------- slices: scales per class
 def slice_update(values: list[float]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A width slice: the first len(values) of a 16-long entry."""
@@ -423,8 +582,7 @@ def test_warm_up_leaves_every_loop_compiled_for_both_dtypes(measure_path: str) -
     if measure_path != "fused":
         assert fused.warm_up() is False
         return
-    kernel, correct, fold = fused._compile()  # type: ignore[misc]
-    for loop in (kernel, correct, fold):
+    for loop in fused._compile():  # type: ignore[union-attr]
         first_args = {str(signature[0]) for signature in loop.signatures}
         assert {"array(float32, 1d, C)", "array(float64, 1d, C)"} <= first_args, loop
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +43,47 @@ __all__ = ["MeanAccumulator", "MeanAggregator", "parse_scale_key"]
 
 _Buffered = tuple[int, Checked, float, dict[str, float], float | None, dict[str, int]]
 """A buffered update: position, entries, weight, distances, cosine, covered sizes."""
+
+
+@dataclass(frozen=True)
+class _Streamed:
+    """An update streamed against known bounds (see :meth:`MeanAccumulator.add`)."""
+
+    position: int
+    checked: Checked
+    w: float
+    bounds: dict[str, float]
+    covered: dict[str, int]
+    own: Mapping[str, np.ndarray] | None
+
+
+@dataclass
+class _Measured:
+    """What one pass measured of an update: per kind, and per entry what it folded."""
+
+    squares: dict[str, float] = field(default_factory=dict)
+    dot: float = 0.0
+    norm2: float = 0.0
+    folded: dict[str, int] = field(default_factory=dict)
+    """Per entry, the elements folded at the update's weight (a prefix)."""
+    over: set[str] = field(default_factory=set)
+    """Kinds whose running distance passed their bound."""
+
+    def record(
+        self, key: str, kind: str, size: int, done: int, square: float, dot: float, norm2: float
+    ) -> None:
+        """Record one entry's pass: its running square, dot, direction norm and folded prefix."""
+        self.squares[kind] = square
+        self.dot += dot
+        self.norm2 += norm2
+        self.folded[key] = done
+        if done < size:
+            self.over.add(kind)
+
+
+def _same_entries(a: Checked, b: Checked) -> bool:
+    """Return whether two checked updates hold the same entries, in order, of one dtype each."""
+    return list(a) == list(b) and all(a[k][0].dtype == b[k][0].dtype for k in a)
 
 
 class MeanAccumulator:
@@ -77,7 +118,9 @@ class MeanAccumulator:
     distance block by block and folds each block while the running distance is
     within the bound, and a correction for the blocks already folded when it is
     not (``benchmarks/aggregation.py`` measures the cost against torch's in-place
-    sum).
+    sum). Two updates of the same whole entries are measured and folded together
+    (:meth:`_stream_or_hold`), each against its own bound and direction verdict,
+    so an update may wait in the accumulator for the next one.
 
     A clipped update ``reference + f * (update - reference)`` is folded as
     ``w * f * update + w * (1 - f) * reference``, so clipping allocates nothing.
@@ -155,6 +198,7 @@ class MeanAccumulator:
         self._buffer: list[_Buffered] = []
         self._clips: list[Clip] = []
         self._result: dict[str, np.ndarray] | None = None
+        self._held: _Streamed | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     @property
@@ -203,13 +247,15 @@ class MeanAccumulator:
             distances, cosine = self._measure(checked, own)
             self._buffer.append((position, checked, w, distances, cosine, covered))
             return
-        self._stream(
-            position,
-            checked,
-            w,
-            {k: float(b) for k, b in bounds.items() if b is not None},
-            covered,
-            own,
+        self._stream_or_hold(
+            _Streamed(
+                position,
+                checked,
+                w,
+                {k: float(b) for k, b in bounds.items() if b is not None},
+                covered,
+                own,
+            )
         )
 
     def _measure(
@@ -253,53 +299,136 @@ class MeanAccumulator:
         self._clips.extend(clips)
         return factors
 
-    def _stream(
-        self,
-        position: int,
-        checked: Checked,
-        w: float,
-        bounds: Mapping[str, float],
-        covered: Mapping[str, int],
-        own: Mapping[str, np.ndarray] | None,
+    def _stream_or_hold(self, streamed: _Streamed) -> None:
+        """Stream an update, in a pair with the one held when both allow it.
+
+        Two updates of the same whole entries are measured and folded in one pass
+        (:meth:`_stream_pair`): what one update at a time reads twice (the sums, the
+        global entry, the direction) is then read once. An update waits for a
+        partner until the next one arrives or anything reads the round
+        (:meth:`result`, :meth:`report`): one more update held, the price of the
+        pairs (the plain unbounded mean folds each as it comes and holds none).
+        """
+        if not self._pairable(streamed):
+            self._settle_held()
+            self._stream(streamed)
+            return
+        held, self._held = self._held, None
+        if held is None:
+            self._held = streamed
+        elif _same_entries(held.checked, streamed.checked):
+            self._stream_pair(held, streamed)
+        else:
+            self._stream(held)
+            self._held = streamed
+
+    @staticmethod
+    def _pairable(streamed: _Streamed) -> bool:
+        """Return whether an update may wait for a partner: whole entries, the shared direction."""
+        return (
+            streamed.own is None
+            and fused.available()
+            and all(where is None for _, where in streamed.checked.values())
+        )
+
+    def _settle_held(self) -> None:
+        """Stream the update held for a partner, alone (before anything reads the round)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._stream(held)
+
+    def _measure_entry(
+        self, streamed: _Streamed, measured: _Measured, key: str, value: np.ndarray
     ) -> None:
+        """Measure one floating entry of an update and fold it while in bounds."""
+        where = streamed.checked[key][1]
+        ref = self.reference[key]
+        kind = entry_kind(key)
+        bound = streamed.bounds[kind]
+        base = ref if where is None else ref[where]
+        along = self.check.along(key, where, streamed.own)
+        done, square, part = measure_and_fold(
+            value,
+            base,
+            self._sums.target(key, where),
+            streamed.w,
+            measured.squares.get(kind, 0.0),
+            None if kind in measured.over else bound * bound,
+            self._scratch,
+            along,
+        )
+        norm2 = 0.0
+        if along is not None:
+            norm2 = (
+                self.check.norms2[key]
+                if where is None and streamed.own is None
+                else squared_distance(along, np.zeros_like(along))
+            )
+        measured.record(key, kind, value.size, done, square, part, norm2)
+
+    def _stream(self, streamed: _Streamed) -> None:
         """Measure and fold one update in one pass over it (see the class docstring)."""
-        squares: dict[str, float] = {}
-        dot = norm2 = 0.0
-        folded: dict[str, int] = {}  # per key: elements folded at weight w (a prefix)
-        over: set[str] = set()  # kinds whose running distance passed their bound
-        for key, (value, where) in checked.items():
-            ref = self.reference[key]
+        measured = _Measured()
+        for key, (value, where) in streamed.checked.items():
+            if is_floating(value):
+                self._measure_entry(streamed, measured, key, value)
+            else:
+                self._sums.add(key, value, streamed.w, where)
+        self._settle(streamed, measured)
+
+    def _stream_pair(self, first: _Streamed, second: _Streamed) -> None:
+        """Measure and fold two updates of the same whole entries in one pass over both.
+
+        The global entry, the direction and the sums are read once for the two
+        (:func:`strategies.core.fused.measure_fold_pair`); each update keeps its own
+        bound, folded prefix, clip and direction verdict, as if streamed alone.
+        """
+        measured = (_Measured(), _Measured())
+        pair = (first, second)
+        for key, (value, _) in first.checked.items():
+            other = second.checked[key][0]
             if not is_floating(value):
-                self._sums.add(key, value, w, where)
+                for streamed in pair:
+                    self._sums.add(key, streamed.checked[key][0], streamed.w, None)
                 continue
             kind = entry_kind(key)
-            bound = bounds[kind]
-            base = ref if where is None else ref[where]
-            total = self._sums.target(key, where)
-            along = self.check.along(key, where, own)
-            done, square, part = measure_and_fold(
-                value,
-                base,
-                total,
-                w,
-                squares.get(kind, 0.0),
-                None if kind in over else bound * bound,
-                self._scratch,
-                along,
-            )
-            if along is not None:
-                dot += part
-                norm2 += (
-                    self.check.norms2[key]
-                    if where is None and own is None
-                    else squared_distance(along, np.zeros_like(along))
+            along = self.check.along(key, None, None)
+            total = self._sums.target(key, None)
+            ref = self.reference[key]
+            result = None
+            if all(a.flags.c_contiguous for a in (value, other, ref, total)) and (
+                along is None or along.flags.c_contiguous
+            ):
+                result = fused.measure_fold_pair(
+                    flat(value),
+                    flat(other),
+                    flat(ref),
+                    flat(total),
+                    (first.w, second.w),
+                    (measured[0].squares.get(kind, 0.0), measured[1].squares.get(kind, 0.0)),
+                    tuple(  # type: ignore[arg-type]
+                        None if kind in m.over else s.bounds[kind] ** 2
+                        for m, s in zip(measured, pair, strict=True)
+                    ),
+                    None if along is None else flat(along),
                 )
-            squares[kind] = square
-            folded[key] = done
-            if done < value.size:
-                over.add(kind)
-        distances = {kind: math.sqrt(s) for kind, s in squares.items()}
-        if self._refused(position, self.check.cosine(dot, distances, norm2)):
+            if result is None:  # a layout the compiled pair does not take: one by one
+                self._measure_entry(first, measured[0], key, value)
+                self._measure_entry(second, measured[1], key, other)
+                continue
+            done1, done2, square1, square2, dot1, dot2 = result
+            norm2 = 0.0 if along is None else self.check.norms2[key]
+            measured[0].record(key, kind, value.size, done1, square1, dot1, norm2)
+            measured[1].record(key, kind, value.size, done2, square2, dot2, norm2)
+        self._settle(first, measured[0])
+        self._settle(second, measured[1])
+
+    def _settle(self, streamed: _Streamed, measured: _Measured) -> None:
+        """Drop, clip or keep a measured update: take back, re-weight or finish its folds."""
+        position, checked, w = streamed.position, streamed.checked, streamed.w
+        folded = measured.folded
+        distances = {kind: math.sqrt(s) for kind, s in measured.squares.items()}
+        if self._refused(position, self.check.cosine(measured.dot, distances, measured.norm2)):
             for key, (value, where) in checked.items():  # take back what went in
                 if not is_floating(value):
                     self._sums.add(key, value, -w, where)
@@ -307,7 +436,7 @@ class MeanAccumulator:
                     flat_total = flat(self._sums.target(key, where))
                     add_scaled(flat_total[: folded[key]], flat(value)[: folded[key]], -w)
             return
-        factors = self._accept(position, distances, bounds, covered)
+        factors = self._accept(position, distances, streamed.bounds, streamed.covered)
         for key, (value, where) in checked.items():
             if not is_floating(value):
                 self._cover.add(key, w, where)
@@ -378,6 +507,7 @@ class MeanAccumulator:
             return self._result
         if self._count == 0:
             raise AggregationError("nothing to aggregate: no update was added")
+        self._settle_held()
         self._flush()
         out: dict[str, np.ndarray] = {}
         for key, ref in self.reference.items():
@@ -394,6 +524,7 @@ class MeanAccumulator:
         The scale is :func:`~strategies.core.scales.next_scale` of the distances this
         round accepted (what was folded, after clipping) and the last round's scale.
         """
+        self._settle_held()
         return AccumulatorReport(medians=self.scales.medians(), clips=tuple(self._clips))
 
 

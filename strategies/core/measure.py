@@ -34,8 +34,12 @@ def is_parameter(key: str, value: np.ndarray) -> bool:
 
 
 def is_floating(value: np.ndarray) -> bool:
-    """Return whether an entry holds floating values."""
-    return bool(np.issubdtype(value.dtype, np.floating))
+    """Return whether an entry holds floating values (real: float16 to longdouble).
+
+    The dtype's kind, not :func:`numpy.issubdtype`: the same answer at a tenth of the
+    cost, and the bounded mean asks it several times per entry of every update.
+    """
+    return value.dtype.kind == "f"
 
 
 def flat(array: np.ndarray) -> np.ndarray:

@@ -273,6 +273,7 @@ class NormClipAccumulator(MeanAccumulator):
     @property
     def clipped(self) -> int:
         """Number of clips so far (one per kind of entry scaled down)."""
+        self._settle_held()
         return len(self._clips)
 
 
