@@ -533,6 +533,70 @@ def worst_case_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def clean_cost_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Return the default defence's price on a clean federation (`mean` against `mean-unbounded`).
+
+    Per scheme, federation size and split, the clean runs of the default (``mean``)
+    and of the plain unbounded mean (``mean-unbounded``), on the seeds both ran:
+    their means and the cost in points (unbounded minus default; negative when the
+    default did better), with the standard deviation of the per-seed differences.
+    """
+    out: list[dict[str, Any]] = []
+
+    def group(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (r["scheme"], r["nodes"], r.get("rounds", 0), r["partitioner"])
+
+    clean = [r for r in rows if r["attack"] == CLEAN]
+    for key in sorted({group(r) for r in clean}):
+        metric = _metric(key[0])
+        per_seed: dict[str, dict[int, float]] = {"mean": {}, "mean-unbounded": {}}
+        for r in clean:
+            if group(r) == key and r["aggregator"] in per_seed and r[metric] is not None:
+                per_seed[r["aggregator"]][r["seed"]] = r[metric]
+        seeds = sorted(set(per_seed["mean"]) & set(per_seed["mean-unbounded"]))
+        if not seeds:
+            continue
+        default = [per_seed["mean"][s] for s in seeds]
+        plain = [per_seed["mean-unbounded"][s] for s in seeds]
+        differences = [100 * (p - d) for p, d in zip(plain, default, strict=True)]
+        out.append(
+            {
+                "scheme": key[0],
+                "nodes": key[1],
+                "rounds": key[2],
+                "partitioner": key[3],
+                "seeds": seeds,
+                "default": statistics.fmean(default),
+                "unbounded": statistics.fmean(plain),
+                "cost": statistics.fmean(differences),
+                "cost_std": statistics.stdev(differences) if len(differences) > 1 else 0.0,
+            }
+        )
+    return out
+
+
+def clean_cost_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table of :func:`clean_cost_rows` (empty without both aggregators' clean runs)."""
+    summary = clean_cost_rows(rows)
+    if not summary:
+        return ""
+    out = [
+        "#### What the default costs a clean federation: `mean` against `mean-unbounded`, %\n",
+        "| scheme | split | nodes | rounds | seeds | default | unbounded | cost (points) | "
+        "std of the per-seed cost |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in summary:
+        split = "IID" if r["partitioner"] == "iid" else "Dirichlet(0.5)"
+        out.append(
+            f"| `{r['scheme']}` | {split} | {r['nodes']} | {r['rounds']} | {len(r['seeds'])} | "
+            f"{_pct(r['default'])} | {_pct(r['unbounded'])} | {r['cost']:+.1f} | "
+            f"{r['cost_std']:.1f} |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
 def accuracy_tables(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown tables of part A: one per scheme and partitioner.
 
@@ -874,6 +938,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         (args.out / "worst.json").write_text(json.dumps(worst_case_rows(rows), indent=2))
         text.append(worst_case_table(rows))
+        text.append(clean_cost_table(rows))
         text.append(accuracy_tables(rows))
     if "cost" in parts:
         print("part B: aggregator cost", flush=True)

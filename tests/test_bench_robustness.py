@@ -191,3 +191,45 @@ def test_worst_case_is_the_smallest_seed_mean_over_the_suite(bench: ModuleType) 
     assert summary["ratio_honest"] == pytest.approx(0.6 / 0.8)
     assert summary["attacks"] == 2
     assert "| 1 of 5 |" in bench.worst_case_table(rows)
+
+
+def test_clean_cost_pairs_the_seeds_both_aggregators_ran(bench: ModuleType) -> None:
+    # Prepare: the default on seeds 0, 1, 2; the unbounded mean on seeds 0 and 1 only;
+    # an attacked row that must not count; a knowledge scheme judged on its clients
+    def row(
+        scheme: str, aggregator: str, seed: int, acc: float, attack: str = "clean"
+    ) -> dict[str, Any]:
+        metric = "honest_accuracy" if scheme in bench.KNOWLEDGE_SCHEMES else "global_accuracy"
+        return {
+            "scheme": scheme,
+            "partitioner": "iid",
+            "aggregator": aggregator,
+            "seed": seed,
+            "attack": attack,
+            "fraction": 0.0 if attack == "clean" else 0.2,
+            "nodes": 5,
+            "rounds": 5,
+            metric: acc,
+        }
+
+    rows = [
+        row("fedavg", "mean", 0, 0.90),
+        row("fedavg", "mean", 1, 0.80),
+        row("fedavg", "mean", 2, 0.10),  # no unbounded partner: left out
+        row("fedavg", "mean-unbounded", 0, 0.93),
+        row("fedavg", "mean-unbounded", 1, 0.79),
+        row("fedavg", "mean-unbounded", 1, 0.20, attack="sign-flip"),
+        row("felo", "mean", 0, 0.50),
+    ]
+
+    # Execute
+    (summary,) = bench.clean_cost_rows(rows)
+
+    # Assert: seeds 0 and 1; cost +3 and -1 points -> mean +1, std sqrt(8)
+    assert summary["scheme"] == "fedavg" and summary["seeds"] == [0, 1]
+    assert summary["default"] == pytest.approx(0.85)
+    assert summary["unbounded"] == pytest.approx(0.86)
+    assert summary["cost"] == pytest.approx(1.0)
+    assert summary["cost_std"] == pytest.approx(8**0.5)
+    assert "| +1.0 | 2.8 |" in bench.clean_cost_table(rows)
+    assert bench.clean_cost_table(rows[:3]) == ""
