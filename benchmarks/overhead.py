@@ -14,8 +14,16 @@ minus the slowest client's training time.
 
 Usage::
 
-    .venv/bin/python benchmarks/overhead.py [--modes sim,deploy] [--rounds 6]
-        [--nodes 3] [--repeats 2]
+    .venv/bin/python benchmarks/overhead.py [--modes sim,deploy,deploy-process]
+        [--rounds 6] [--nodes 3] [--repeats 2]
+
+Modes: ``sim`` (``scripts/simulate.sh``), ``deploy`` (``scripts/deploy-local.sh``:
+SuperLink and SuperNodes as processes, each SuperNode starting its own ClientApp
+executor, Flower's ``subprocess`` isolation) and ``deploy-process`` (the same with
+``--isolation process``: a long-lived ``flower-superexec`` per node, as the compose
+cluster runs its executor containers). Targets (issue 26): ours / Flower <= 1.05 in
+simulation and <= 0.25 in deployment; our overhead <= 1.5 s a round with process
+isolation.
 
 Prints a table and writes ``results/bench-overhead/overhead.json``; a second table
 splits a node's round in Tessera's loop into its phases (:mod:`tessera.phases`).
@@ -34,6 +42,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("fedavg", "flwr-fedavg")
+MODES = ("sim", "deploy", "deploy-process")
+ROUND_TARGETS = {"sim": 1.05, "deploy": 0.25, "deploy-process": 0.25}
+"""Issue 26's targets for Tessera's round over Flower's ``FedAvg.start`` round."""
+OVERHEAD_TARGET = 1.5
+"""Issue 26's target for Tessera's overhead (s a round) with process isolation."""
 
 
 def run_once(
@@ -67,6 +80,8 @@ def run_once(
             f"{run_config} output-dir='{out}' run-name='{name}'",
             "--workdir",
             str(out / f"{name}-work"),
+            "--isolation",
+            "process" if mode == "deploy-process" else "subprocess",
         ]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -136,8 +151,8 @@ def main() -> int:
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
-        if mode not in ("sim", "deploy"):
-            parser.error(f"--modes: unknown mode '{mode}'; use sim and/or deploy")
+        if mode not in MODES:
+            parser.error(f"--modes: unknown mode '{mode}'; use {', '.join(MODES)}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out / stamp
     out.mkdir(parents=True, exist_ok=True)
@@ -168,14 +183,17 @@ def main() -> int:
     print("|---|---|---:|---:|---:|---:|")
     for mode, by in results.items():
         ratio = by["fedavg"]["round_seconds"] / by["flwr-fedavg"]["round_seconds"]
-        target = 1.05 if mode == "sim" else 0.5
+        target = ROUND_TARGETS[mode]
         for scheme in SCHEMES:
             s = by[scheme]
             label = "Tessera fedavg" if scheme == "fedavg" else "Flower FedAvg.start"
             ratio_s = f"{ratio:.2f} (target <= {target})" if scheme == "fedavg" else ""
+            overhead_s = f"{s['overhead_seconds']:.2f}"
+            if scheme == "fedavg" and mode == "deploy-process":
+                overhead_s += f" (target <= {OVERHEAD_TARGET})"
             print(
                 f"| {mode} | {label} | {s['round_seconds']:.2f} | "
-                f"{s['slowest_train_seconds']:.2f} | {s['overhead_seconds']:.2f} | {ratio_s} |"
+                f"{s['slowest_train_seconds']:.2f} | {overhead_s} | {ratio_s} |"
             )
         results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
     print(

@@ -5,7 +5,7 @@
 # Usage: scripts/deploy-local.sh --nodes N [--run-config "k=v ..."]
 #            [--profiles "cpu-small,cpu-large,jetson-orin"] [--insecure]
 #            [--workdir DIR] [--timeout SECONDS] [--resume]
-#            [--node-config "I:k=v ..."]...
+#            [--node-config "I:k=v ..."]... [--isolation subprocess|process]
 #
 #   --nodes N         number of SuperNodes; node i gets node-config
 #                     partition-id=i num-partitions=N device-profile=<profile>
@@ -21,6 +21,11 @@
 #   --timeout SECONDS bound on the whole deployment (default 900)
 #   --node-config "I:k=v ..."  extra node-config for node I (repeatable), e.g.
 #                     "2:attack='boost'" makes node 2 hostile (the attack harness)
+#   --isolation MODE  how each SuperNode runs the ClientApp: subprocess (default;
+#                     the SuperNode starts its own flower-superexec) or process (a
+#                     separate long-lived flower-superexec per node on the node's
+#                     ClientAppIo port, as the compose cluster runs its ClientApp
+#                     executor containers)
 #   --resume          continue the run of an earlier deployment in the same --workdir
 #                     and run-name: the SuperLink keeps its --database, the nodes their
 #                     state, and the ServerApp gets run-config resume=<results folder>
@@ -47,6 +52,7 @@ insecure=0
 workdir=""
 timeout_s=900
 resume=0
+isolation=subprocess
 declare -A extra_node_config=()
 add_node_config() { # "I:k=v ..."
     local index="${1%%:*}" rest="${1#*:}"
@@ -65,6 +71,9 @@ while [ $# -gt 0 ]; do
         --profiles=*) profiles="${1#*=}"; shift ;;
         --insecure) insecure=1; shift ;;
         --resume) resume=1; shift ;;
+        --isolation) [ $# -ge 2 ] || die "--isolation needs subprocess or process"
+            isolation="$2"; shift 2 ;;
+        --isolation=*) isolation="${1#*=}"; shift ;;
         --workdir) [ $# -ge 2 ] || die "--workdir needs a folder"; workdir="$2"; shift 2 ;;
         --workdir=*) workdir="${1#*=}"; shift ;;
         --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; timeout_s="$2"; shift 2 ;;
@@ -77,6 +86,10 @@ while [ $# -gt 0 ]; do
 done
 case "$nodes" in
     '' | *[!0-9]* | 0) die "--nodes must be a positive whole number (got '${nodes}')" ;;
+esac
+case "$isolation" in
+    subprocess | process) ;;
+    *) die "--isolation is '$isolation'; use subprocess or process" ;;
 esac
 case "$timeout_s" in
     '' | *[!0-9]* | 0) die "--timeout must be a positive whole number of seconds (got '$timeout_s')" ;;
@@ -406,7 +419,18 @@ for ((i = 0; i < nodes; i++)); do
     start_group "$logs/supernode-$i.log" flower-supernode "${tls_supernode[@]}" \
         --superlink "127.0.0.1:$fleet_port" \
         --clientappio-api-address "127.0.0.1:$appio_port" \
+        --isolation "$isolation" \
         --node-config "partition-id=$i num-partitions=$nodes device-profile='$profile' state-dir='$workdir/node-state/$i'${extra_node_config[$i]:+ ${extra_node_config[$i]}}"
+    if [ "$isolation" = process ]; then
+        # the node's ClientApp executor, a process of its own (compose: a container);
+        # the ClientAppIo API is plaintext on loopback, as the SuperNode's own is
+        node_pgid="$last_pgid"
+        limit=$(($(remaining) < 60 ? $(remaining) : 60))
+        wait_ports "$node_pgid" "$limit" "$appio_port" \
+            || fail "SuperNode $i did not open its ClientAppIo API"
+        start_group "$logs/clientapp-executor-$i.log" flower-superexec --insecure \
+            --plugin-type clientapp --appio-api-address "127.0.0.1:$appio_port"
+    fi
 done
 
 # ------------------------------------------------------------- flwr connection
