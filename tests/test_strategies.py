@@ -776,7 +776,7 @@ def test_poll_wait_backs_off_and_never_undercuts_the_poll_cost() -> None:
     # (50 ms) -> 4 x 50 ms whatever else holds
     assert poll_wait(0.5, got_any=True, poll_seconds=0.0, poll=0.02) == 0.02
     assert poll_wait(0.1, got_any=False, poll_seconds=0.0, poll=0.02) == pytest.approx(0.15)
-    assert poll_wait(0.9, got_any=False, poll_seconds=0.0, poll=0.02) == MAX_POLL_INTERVAL
+    assert poll_wait(0.2, got_any=False, poll_seconds=0.0, poll=0.02) == MAX_POLL_INTERVAL == 0.25
     assert poll_wait(0.02, got_any=True, poll_seconds=0.05, poll=0.02) == pytest.approx(
         POLL_COST_FACTOR * 0.05
     )

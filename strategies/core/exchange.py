@@ -33,8 +33,15 @@ POLL_INTERVAL = 0.02
 A reply waits for the next poll, so this is most of a fast round's latency: at 0.2 s
 it was 0.35 s of a 0.41 s simulated node round. :func:`poll_wait` lengthens it while
 nothing arrives and when a poll itself is costly."""
-MAX_POLL_INTERVAL = 1.0
-"""Longest pause between polls while no reply arrives (it backs off from POLL_INTERVAL)."""
+MAX_POLL_INTERVAL = 0.25
+"""Longest pause between polls while no reply arrives (it backs off from POLL_INTERVAL).
+
+In deployment a round's replies come seconds apart, so the server is at this pause
+when each arrives, and a round ends with its last reply: on average half of it is
+added to every round (it was 1 s: ``benchmarks/overhead.py`` measured ``return``,
+a reply's creation to its pull, at 1.65-1.85 s a node, of which Flower's own SuperNode
+adds up to 0.5 s before it pushes). A poll of an idle SuperLink costs a millisecond,
+and :data:`POLL_COST_FACTOR` and :data:`PENDING_WAIT` still space costly ones."""
 POLL_COST_FACTOR = 4.0
 """A pause is at least this many times the last poll's own duration, so that polling
 takes at most a fifth of the server's time however many replies are pending (a poll
@@ -85,10 +92,10 @@ def poll_wait(
     --------
     >>> poll_wait(0.02, got_any=True, poll_seconds=0.001, poll=0.02)
     0.02
-    >>> round(poll_wait(0.2, got_any=False, poll_seconds=0.001, poll=0.02), 3)
-    0.3
-    >>> poll_wait(0.9, got_any=False, poll_seconds=0.001, poll=0.02)
-    1.0
+    >>> round(poll_wait(0.1, got_any=False, poll_seconds=0.001, poll=0.02), 3)
+    0.15
+    >>> poll_wait(0.2, got_any=False, poll_seconds=0.001, poll=0.02)
+    0.25
     >>> poll_wait(0.02, got_any=True, poll_seconds=0.05, poll=0.02)
     0.2
     >>> round(poll_wait(0.02, got_any=True, poll_seconds=0.001, poll=0.02, pending=5000), 3)
