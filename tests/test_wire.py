@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
@@ -76,3 +79,40 @@ def test_float_and_int_list_values_refuse_what_int_and_float_would_coerce() -> N
             int_list_value({"s": bad_list}, "s")
     with pytest.raises(KeyError):
         float_value({}, "x")
+
+
+@pytest.mark.parametrize("strategy", ["fedavg-groups", "heterofl"])
+def test_a_round_sends_one_weights_record_per_architecture_not_per_node(
+    strategy: str,
+    run_config: Any,
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
+) -> None:
+    # Prepare: six real ClientApps on three device profiles (so two or more
+    # architectures, or slices, each chosen by several nodes)
+    from server_app.app import build_server
+    from tests.conftest import TINY_DIGITS, make_grid
+
+    config = run_config(
+        {**TINY_DIGITS, "strategy": strategy, "num-server-rounds": 1, "min-nodes": 6}
+        | {"output-dir": str(tmp_path), "run-name": "r"}
+    )
+    if strategy == "heterofl":
+        config |= {"model-family": "preresnet", "submodel-widths": "1,0.25"}
+    server = build_server(config, bundle=digits_bundle).runner
+    grid = make_grid(config, 6)
+
+    # Execute
+    server.start(grid, num_rounds=1, timeout=5.0)
+
+    # Assert: every node trained; the nodes of one architecture got the same record
+    # (the round held one copy of each model, not one per node)
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert len(train) == 6 and not server.rounds[0]["skipped"]
+    by_arch: dict[str, set[int]] = {}
+    for m in train:
+        arch = str(m.content[wire.CONFIG]["arch"])
+        by_arch.setdefault(arch, set()).add(id(m.content.array_records[wire.ARRAYS]))
+    assert all(len(ids) == 1 for ids in by_arch.values()), by_arch
+    assert len(by_arch) < len(train)

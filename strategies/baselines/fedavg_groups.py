@@ -37,9 +37,11 @@ class FedAvgGroupsStrategy(HeteroStrategy[GroupOptionsT]):
         return self.models.arrays
 
     def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
-        """Config plus the node's group model."""
+        """Config plus the node's group model (one record per group and round)."""
         content = super().node_content(ctx, node_id, arch)
-        content[wire.ARRAYS] = wire.numpy_to_record(self.models.get(arch))
+        content[wire.ARRAYS] = ctx.share(
+            (wire.ARRAYS, arch), lambda: wire.numpy_to_record(self.models.get(arch))
+        )
         return content
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:

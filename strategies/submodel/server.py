@@ -222,9 +222,11 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
 
     # ------------------------------------------------------------------- hooks
     def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
-        """Config plus the node's slice of the global model."""
+        """Config plus the node's slice of the global model (one record per slice and round)."""
         content = super().node_content(ctx, node_id, arch)
-        content[wire.ARRAYS] = wire.numpy_to_record(self.sub_state(arch))
+        content[wire.ARRAYS] = ctx.share(
+            (wire.ARRAYS, arch), lambda: wire.numpy_to_record(self.sub_state(arch))
+        )
         return content
 
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
