@@ -285,6 +285,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     ]
     for key, what in (("round_seconds", "round 2"), ("first_handshake_seconds", "handshake")):
         a, b, worst = linear_fit(rows, key)
+        if math.isnan(a):
+            lines.append(
+                f"Least squares of {what}: needs three sizes of {FLAT_FROM} nodes or more."
+            )
+            continue
         lines.append(
             f"Least squares over the same sizes: {what} = {a:.2f} s + {1000 * b:.2f} ms a node "
             f"(largest deviation from the line {100 * worst:.0f} %)."

@@ -67,6 +67,8 @@ def test_a_row_reads_round_two_and_the_first_handshake(bench: ModuleType, tmp_pa
         "| 800 (810) | 30 |" in text
     )
     assert png.stat().st_size > 1000
+    # one size is no line: said so, not printed as nan
+    assert "nan s +" not in text and "needs three sizes" in text
 
 
 def test_flatness_is_max_over_min_from_fifty_nodes(bench: ModuleType) -> None:
