@@ -135,6 +135,10 @@ FELO_MERGES = ("mean", "mean-unbounded", "median")
 SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only")
 KNOWLEDGE_SCHEMES = frozenset({"felo", "fedhe", "fedtgp"})
 """Schemes judged by the honest clients' own accuracy, whose label is a knowledge merge."""
+WEIGHTLESS_SCHEMES = frozenset({"fedhe", "fedtgp"})
+"""Knowledge schemes whose nodes send no weights: their run config refuses the
+weight-only keys (``clip-factor``, ``server-trust``), so their ``mean-unbounded``
+switches off the knowledge clip alone."""
 SCHEME_AGGREGATORS = {
     "fedavg": FEDAVG_AGGREGATORS,
     "fedavg-groups": SUB_MODEL_AGGREGATORS,
@@ -290,8 +294,9 @@ def cell_run_config(
     unbounded = name == "mean-unbounded"
     rule = "mean" if unbounded else name
     if unbounded:  # the plain mean: no bound, no direction check, no knowledge clip
-        config["clip-factor"] = 0.0
-        config["server-trust"] = False
+        if cell.scheme not in WEIGHTLESS_SCHEMES:
+            config["clip-factor"] = 0.0
+            config["server-trust"] = False
         config["knowledge-clip-factor"] = 0.0
     elif name in ABLATIONS:
         rule = "mean"

@@ -233,3 +233,25 @@ def test_clean_cost_pairs_the_seeds_both_aggregators_ran(bench: ModuleType) -> N
     assert summary["cost_std"] == pytest.approx(8**0.5)
     assert "| +1.0 | 2.8 |" in bench.clean_cost_table(rows)
     assert bench.clean_cost_table(rows[:3]) == ""
+
+
+def test_every_scheme_and_label_gives_a_run_config_the_scheme_accepts(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    # Prepare / Execute: each cell's run config through the ServerApp's own parsing
+    # (a weightless scheme refuses the weight-only keys: fedhe's and fedtgp's
+    # `mean-unbounded` once failed there)
+    from strategies import resolve_run
+
+    for scheme, labels in bench.SCHEME_AGGREGATORS.items():
+        for label in labels:
+            cell = bench.Cell(scheme, "iid", 0, bench.CLEAN, 0.0, label)
+            config = bench.cell_run_config(
+                cell, nodes=5, rounds=2, local_epochs=1, output_dir=tmp_path
+            )
+            resolved = resolve_run(config)
+
+            # Assert: the scheme and, for the unbounded mean, no knowledge clip
+            assert resolved.scheme.name == scheme
+            if label == "mean-unbounded":
+                assert config["knowledge-clip-factor"] == 0.0
