@@ -222,6 +222,10 @@ class MeanAccumulator:
         direction: a narrow sub-model learns differently from the same part of the
         whole model.
 
+        The update's arrays are read, not copied, and when bounded an update may be
+        folded at the next call or at :meth:`result` (:meth:`_stream_or_hold`): the
+        caller must not change them after the call.
+
         Raises
         ------
         AggregationError
