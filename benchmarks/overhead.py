@@ -14,16 +14,18 @@ minus the slowest client's training time.
 
 Usage::
 
-    .venv/bin/python benchmarks/overhead.py [--modes sim,deploy,deploy-process]
+    .venv/bin/python benchmarks/overhead.py
+        [--modes sim,deploy,deploy-process,deploy-process-flower]
         [--rounds 6] [--nodes 3] [--repeats 2]
 
 Modes: ``sim`` (``scripts/simulate.sh``), ``deploy`` (``scripts/deploy-local.sh``:
 SuperLink and SuperNodes as processes, each SuperNode starting its own ClientApp
-executor, Flower's ``subprocess`` isolation) and ``deploy-process`` (the same with
-``--isolation process``: a long-lived ``flower-superexec`` per node, as the compose
-cluster runs its executor containers). Targets (issue 26): ours / Flower <= 1.05 in
-simulation and <= 0.25 in deployment; our overhead <= 1.5 s a round with process
-isolation.
+executor, Flower's ``subprocess`` isolation), ``deploy-process`` (the same with
+``--isolation process``: a long-lived executor per node, as the compose cluster runs
+its executor containers; Tessera's warm executor, :mod:`tessera.executor`) and
+``deploy-process-flower`` (the same with Flower's ``flower-superexec``). Targets
+(issue 26): ours / Flower <= 1.05 in simulation and <= 0.25 in deployment; our
+overhead <= 1.5 s a round with process isolation.
 
 Prints a table and writes ``results/bench-overhead/overhead.json``; a second table
 splits a node's round in Tessera's loop into its phases (:mod:`tessera.phases`).
@@ -42,8 +44,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("fedavg", "flwr-fedavg")
-MODES = ("sim", "deploy", "deploy-process")
-ROUND_TARGETS = {"sim": 1.05, "deploy": 0.25, "deploy-process": 0.25}
+MODES = ("sim", "deploy", "deploy-process", "deploy-process-flower")
+ROUND_TARGETS = {
+    "sim": 1.05,
+    "deploy": 0.25,
+    "deploy-process": 0.25,
+    "deploy-process-flower": 0.25,
+}
 """Issue 26's targets for Tessera's round over Flower's ``FedAvg.start`` round."""
 OVERHEAD_TARGET = 1.5
 """Issue 26's target for Tessera's overhead (s a round) with process isolation."""
@@ -81,7 +88,9 @@ def run_once(
             "--workdir",
             str(out / f"{name}-work"),
             "--isolation",
-            "process" if mode == "deploy-process" else "subprocess",
+            "subprocess" if mode == "deploy" else "process",
+            "--executor",
+            "flower" if mode == "deploy-process-flower" else "tessera",
         ]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -189,7 +198,7 @@ def main() -> int:
             label = "Tessera fedavg" if scheme == "fedavg" else "Flower FedAvg.start"
             ratio_s = f"{ratio:.2f} (target <= {target})" if scheme == "fedavg" else ""
             overhead_s = f"{s['overhead_seconds']:.2f}"
-            if scheme == "fedavg" and mode == "deploy-process":
+            if scheme == "fedavg" and mode.startswith("deploy-process"):
                 overhead_s += f" (target <= {OVERHEAD_TARGET})"
             print(
                 f"| {mode} | {label} | {s['round_seconds']:.2f} | "

@@ -46,6 +46,9 @@ now = {k: v(k) for k in pins}; assert now == pins, f'pip changed {pins} to {now}
  && chown tessera:tessera /results /data
 COPY docker/entrypoint.sh /usr/local/bin/tessera-entrypoint
 COPY docker/healthcheck.py /usr/local/bin/tessera-healthcheck
+# the warm ClientApp executor (`tessera-entrypoint clientapp`): one file, standard
+# library and Flower only; the app's own code still comes from the FAB
+COPY tessera/executor.py /usr/local/lib/tessera/executor.py
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -44,6 +44,9 @@ print('torch', torch.__version__, 'flwr', flwr.__version__)" \
  && chown tessera:tessera /results /data
 COPY docker/entrypoint.sh /usr/local/bin/tessera-entrypoint
 COPY docker/healthcheck.py /usr/local/bin/tessera-healthcheck
+# the warm ClientApp executor (`tessera-entrypoint clientapp`): one file, standard
+# library and Flower only; the app's own code still comes from the FAB
+COPY tessera/executor.py /usr/local/lib/tessera/executor.py
 # Writable places for any user id (compose may run the ServerApp as the host user,
 # TESSERA_UID, so that results in the mounted folder belong to them).
 ENV PATH=/opt/venv/bin:$PATH \

@@ -6,7 +6,7 @@
 #   tessera-entrypoint superlink  [flower-superlink args]   SuperLink, process isolation
 #   tessera-entrypoint supernode  [flower-supernode args]   SuperNode, process isolation
 #   tessera-entrypoint serverapp                            flower-superexec for ServerApps
-#   tessera-entrypoint clientapp                            flower-superexec for ClientApps
+#   tessera-entrypoint clientapp                            warm ClientApp executor
 #   tessera-entrypoint init                                 CA, server certificate, node keys
 #   tessera-entrypoint register                             register SuperNode public keys
 #   tessera-entrypoint run        [flwr run args]           run the app, wait, check results
@@ -21,7 +21,11 @@
 #   supernode: TESSERA_SUPERLINK [superlink:9092], TESSERA_NODE_CONFIG (required),
 #              TESSERA_NODE_KEY [$TESSERA_CERTS/keys/node-1] (private key, with auth)
 #   serverapp: TESSERA_APPIO [superlink:9091]; clientapp: TESSERA_APPIO (required,
-#              the SuperNode's ClientAppIo address, e.g. supernode-1:9094)
+#              the SuperNode's ClientAppIo address, e.g. supernode-1:9094),
+#              TESSERA_EXECUTOR [tessera]: tessera (each message's ClientApp process
+#              forked from a fork server that imported torch and Flower once; polls
+#              every 0.1 s) or flower (flower-superexec: a fresh flwr-clientapp
+#              process per message, polling every second)
 #   init:      (as root, hands an empty root-owned TESSERA_OUTPUT_DIR [/results] to
 #              TESSERA_UID:TESSERA_GID [1000:1000], then continues as tessera)
 #              TESSERA_TLS_NAMES [superlink,localhost,127.0.0.1], TESSERA_NODE_KEYS [6],
@@ -134,6 +138,17 @@ role_executor() { # role_executor serverapp|clientapp
     mkdir -p "$FLWR_HOME" "${MPLCONFIGDIR:-/tmp/matplotlib}"
     health
     # The AppIo link stays on the container network: plaintext, token-protected.
+    if [ "$plugin" = clientapp ]; then
+        case "${TESSERA_EXECUTOR:-tessera}" in
+            tessera)
+                exec python /usr/local/lib/tessera/executor.py --insecure \
+                    --appio-api-address "$appio" \
+                    --health-server-address "127.0.0.1:$HEALTH_PORT" "$@"
+                ;;
+            flower) ;;
+            *) die "TESSERA_EXECUTOR is '$TESSERA_EXECUTOR'; use tessera or flower" ;;
+        esac
+    fi
     exec flower-superexec --insecure --plugin-type "$plugin" --appio-api-address "$appio" \
         --health-server-address "127.0.0.1:$HEALTH_PORT" "$@"
 }

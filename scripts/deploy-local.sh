@@ -6,6 +6,7 @@
 #            [--profiles "cpu-small,cpu-large,jetson-orin"] [--insecure]
 #            [--workdir DIR] [--timeout SECONDS] [--resume]
 #            [--node-config "I:k=v ..."]... [--isolation subprocess|process]
+#            [--executor tessera|flower]
 #
 #   --nodes N         number of SuperNodes; node i gets node-config
 #                     partition-id=i num-partitions=N device-profile=<profile>
@@ -26,6 +27,12 @@
 #                     separate long-lived flower-superexec per node on the node's
 #                     ClientAppIo port, as the compose cluster runs its ClientApp
 #                     executor containers)
+#   --executor NAME   with --isolation process, each node's executor: tessera
+#                     (default; `python -m tessera.executor`, which forks each
+#                     message's ClientApp process from a fork server that imported
+#                     torch and Flower once, and polls every 0.1 s) or flower
+#                     (Flower's flower-superexec: a fresh flwr-clientapp process per
+#                     message, polling every second)
 #   --resume          continue the run of an earlier deployment in the same --workdir
 #                     and run-name: the SuperLink keeps its --database, the nodes their
 #                     state, and the ServerApp gets run-config resume=<results folder>
@@ -53,6 +60,7 @@ workdir=""
 timeout_s=900
 resume=0
 isolation=subprocess
+executor=tessera
 declare -A extra_node_config=()
 add_node_config() { # "I:k=v ..."
     local index="${1%%:*}" rest="${1#*:}"
@@ -74,6 +82,9 @@ while [ $# -gt 0 ]; do
         --isolation) [ $# -ge 2 ] || die "--isolation needs subprocess or process"
             isolation="$2"; shift 2 ;;
         --isolation=*) isolation="${1#*=}"; shift ;;
+        --executor) [ $# -ge 2 ] || die "--executor needs tessera or flower"
+            executor="$2"; shift 2 ;;
+        --executor=*) executor="${1#*=}"; shift ;;
         --workdir) [ $# -ge 2 ] || die "--workdir needs a folder"; workdir="$2"; shift 2 ;;
         --workdir=*) workdir="${1#*=}"; shift ;;
         --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; timeout_s="$2"; shift 2 ;;
@@ -90,6 +101,10 @@ esac
 case "$isolation" in
     subprocess | process) ;;
     *) die "--isolation is '$isolation'; use subprocess or process" ;;
+esac
+case "$executor" in
+    tessera | flower) ;;
+    *) die "--executor is '$executor'; use tessera or flower" ;;
 esac
 case "$timeout_s" in
     '' | *[!0-9]* | 0) die "--timeout must be a positive whole number of seconds (got '$timeout_s')" ;;
@@ -428,8 +443,13 @@ for ((i = 0; i < nodes; i++)); do
         limit=$(($(remaining) < 60 ? $(remaining) : 60))
         wait_ports "$node_pgid" "$limit" "$appio_port" \
             || fail "SuperNode $i did not open its ClientAppIo API"
-        start_group "$logs/clientapp-executor-$i.log" flower-superexec --insecure \
-            --plugin-type clientapp --appio-api-address "127.0.0.1:$appio_port"
+        if [ "$executor" = tessera ]; then
+            start_group "$logs/clientapp-executor-$i.log" "$py" -m tessera.executor \
+                --insecure --appio-api-address "127.0.0.1:$appio_port"
+        else
+            start_group "$logs/clientapp-executor-$i.log" flower-superexec --insecure \
+                --plugin-type clientapp --appio-api-address "127.0.0.1:$appio_port"
+        fi
     fi
 done
 

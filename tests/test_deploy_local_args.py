@@ -20,6 +20,10 @@ SCRIPT = ROOT / "scripts" / "deploy-local.sh"
         ),
         (["--nodes", "2", "--isolation"], "--isolation needs subprocess or process"),
         (["--nodes", "0"], "--nodes must be a positive whole number (got '0')"),
+        (
+            ["--nodes", "2", "--executor", "ray"],
+            "--executor is 'ray'; use tessera or flower",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_by_value(args: list[str], message: str, tmp_path: Path) -> None:

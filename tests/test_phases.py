@@ -66,11 +66,17 @@ def test_process_start_time_from_a_proc_folder(tmp_path: Path) -> None:
     (tmp_path / "self" / "stat").write_text("4242 (my (odd) name) " + " ".join(fields))
     (tmp_path / "stat").write_text("cpu 1 2 3\nbtime 1700000000\nprocesses 9\n")
 
-    # Execute / Assert
+    # Execute / Assert: without /proc/uptime, whole-second btime
     assert process_start_time(tmp_path) == pytest.approx(
         1700000000 + 250 / os.sysconf("SC_CLK_TCK")
     )
     assert process_start_time(tmp_path / "missing") is None
+
+    # with it, the boot is now minus the uptime (to its 10 ms, not btime's second)
+    (tmp_path / "uptime").write_text("1000.25 1900.50\n")
+    assert process_start_time(tmp_path, now=1700001000.97) == pytest.approx(
+        1700000000.72 + 250 / os.sysconf("SC_CLK_TCK")
+    )
 
 
 def test_this_process_started_before_now() -> None:
@@ -79,7 +85,9 @@ def test_this_process_started_before_now() -> None:
     started = process_start_time()
     if started is None:
         pytest.skip("no /proc on this system")
-    assert started <= time.time()
+    # and not a second early (btime's whole seconds did that): this process is
+    # younger than the test session
+    assert time.time() - 3600 < started <= time.time()
 
 
 def test_a_reply_with_phases_is_accepted_and_recorded() -> None:

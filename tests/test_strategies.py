@@ -830,6 +830,50 @@ def test_exchange_spaces_costly_polls_and_times_the_server_s_own_work(
     assert outcome.pull_seconds >= 0.12
     assert 0.0 <= outcome.pull_cpu_seconds < outcome.pull_seconds / 2
     assert outcome.fold_cpu_seconds >= 0.02
+
+
+def test_exchange_does_not_space_polls_by_the_download_of_replies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: two nodes; the pull that brings node 22's reply takes 200 ms (a busy
+    # machine downloading it), every other pull 1 ms; node 23 answers from the third
+    # pull on. Before, the pause after the slow pull was 4 x 200 ms, added to the round
+    # (a deployed round waited 4 x 1.3 s after its first reply).
+    def echo(msg: Message, context: Any) -> Message:
+        return Message(RecordDict({"config": ConfigRecord({"ok": True})}), reply_to=msg)
+
+    pulls = 0
+    real_sleep = time.sleep
+
+    class Downloading(FakeGrid):
+        def pull_messages(self, message_ids: Any) -> Any:
+            nonlocal pulls
+            pulls += 1
+            ids = list(message_ids)
+            if pulls == 1:  # node 22's reply only (its message was sent first)
+                real_sleep(0.2)
+                return super().pull_messages(ids[:1])
+            real_sleep(0.001)
+            return super().pull_messages(ids) if pulls >= 3 else []
+
+    pauses: list[float] = []
+    monkeypatch.setattr(
+        "strategies.core.exchange.time.sleep", lambda s: (pauses.append(s), real_sleep(0))
+    )
+    grid = Downloading({22: Mock(), 23: Mock()}, handlers={"train": echo})
+    messages = [
+        Message(RecordDict(), dst_node_id=node, message_type="train", ttl=60.0)
+        for node in (22, 23)
+    ]
+
+    # Execute
+    outcome = exchange(grid, messages, timeout=30.0, poll=0.01)
+
+    # Assert: both replied; the pause after the slow, productive pull is the floor;
+    # the pause after the empty 1 ms pull is its back-off, far below 4 x 200 ms
+    assert not outcome.missing and pulls == 3
+    assert pauses[0] == pytest.approx(0.01)
+    assert pauses[1] < POLL_COST_FACTOR * 0.2 / 10
     assert outcome.fold_seconds >= outcome.fold_cpu_seconds - 0.005
 
 

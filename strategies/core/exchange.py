@@ -43,10 +43,15 @@ a reply's creation to its pull, at 1.65-1.85 s a node, of which Flower's own Sup
 adds up to 0.5 s before it pushes). A poll of an idle SuperLink costs a millisecond,
 and :data:`POLL_COST_FACTOR` and :data:`PENDING_WAIT` still space costly ones."""
 POLL_COST_FACTOR = 4.0
-"""A pause is at least this many times the last poll's own duration, so that polling
-takes at most a fifth of the server's time however many replies are pending (a poll
-asks for every pending reply: with thousands pending, a poll of tens of milliseconds
-every 20 ms would starve the rest of the server)."""
+"""A pause is at least this many times the duration of the last poll that brought
+nothing, so that asking takes at most a fifth of the server's time however many
+replies are pending (a poll asks for every pending reply: with thousands pending, a
+poll of tens of milliseconds every 20 ms would starve the rest of the server).
+
+Only an empty poll measures the price of asking: a poll that brought replies also
+downloaded them, which is work the round needs whenever it is done. Counting that
+time too made a deployed round wait 4 x 1.3 s after its first reply on a busy
+machine (``benchmarks/overhead.py``: ``return`` 4.5-6 s for the last nodes)."""
 PENDING_WAIT = 1e-4
 """Seconds of pause per pending reply (0.1 s with 1,000 pending). A poll asks the
 SuperLink about every pending reply (Flower checks each id), so polls at a fixed
@@ -85,7 +90,8 @@ def poll_wait(
 
     Back to ``poll`` after a poll that brought replies, else 1.5 times the previous
     pause (at most :data:`MAX_POLL_INTERVAL`, or ``poll`` when that is longer); never
-    less than :data:`POLL_COST_FACTOR` times the last poll's duration, nor than
+    less than :data:`POLL_COST_FACTOR` times ``poll_seconds`` (the caller passes the
+    last *empty* poll's duration, the price of asking), nor than
     :data:`PENDING_WAIT` per reply still pending.
 
     Examples
@@ -274,6 +280,7 @@ def exchange(
     result = ExchangeResult(replies, missing, bytes_down)
     chunk_size = pull_chunk(max(bytes_down.values(), default=0))
     wait = poll
+    query_seconds = 0.0  # the last empty poll's duration: the price of asking
     while pending:
         result.polls += 1
         got_any = False
@@ -316,10 +323,12 @@ def exchange(
             break
         # poll quickly while replies come in, back off while none do: a round of
         # hundreds of nodes is otherwise polled hundreds of times for nothing
+        if not got_any:
+            query_seconds = result.pull_seconds - pulled_before
         wait = poll_wait(
             wait,
             got_any=got_any,
-            poll_seconds=result.pull_seconds - pulled_before,
+            poll_seconds=query_seconds,
             poll=poll,
             pending=len(pending),
         )

@@ -1,0 +1,210 @@
+"""The warm ClientApp executor (``tessera.executor``): its settings, its fork server, its exit.
+
+Its real use, a SuperNode in ``--isolation process`` whose messages it runs, is tested
+end to end by the native deployment test in ``tests/test_deploy_local.py`` (FedFA,
+process isolation, this executor by default) and timed by ``benchmarks/overhead.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tessera.executor import (
+    DEFAULT_PRELOAD,
+    WARM_UP_MODULE,
+    ExecutorConfig,
+    fork_server,
+    parse_args,
+    parse_preload,
+)
+from tests.conftest import process_gone
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parse_preload_reads_names_and_refuses_what_is_not_one() -> None:
+    assert parse_preload(" torch, numpy ,,flwr.clientapp ") == ("torch", "numpy", "flwr.clientapp")
+    assert parse_preload("") == ()
+    with pytest.raises(ValueError, match="'torch-2' is not a module name"):
+        parse_preload("torch-2")
+
+
+def test_parse_args_defaults_and_choices(tmp_path: Path) -> None:
+    # Execute
+    plain = parse_args(["--insecure", "--appio-api-address", "127.0.0.1:9094"])
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    tls = parse_args(
+        [
+            "--appio-api-address",
+            "node:9094",
+            "--root-certificates",
+            str(ca),
+            "--preload",
+            "",
+            "--no-warm-up",
+            "--poll-interval",
+            "0.5",
+        ]
+    )
+
+    # Assert
+    assert plain == ExecutorConfig(appio_api_address="127.0.0.1:9094", insecure=True)
+    assert plain.preload == DEFAULT_PRELOAD and plain.warm_up and plain.poll_interval == 0.1
+    assert tls.root_certificates == ca and not tls.insecure
+    assert tls.preload == () and not tls.warm_up and tls.poll_interval == 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--appio-api-address", "a:1"], "give --insecure (plaintext) or --root-certificates"),
+        (
+            ["--appio-api-address", "a:1", "--insecure", "--root-certificates", "ca.crt"],
+            "--insecure and --root-certificates exclude each other",
+        ),
+        (
+            ["--appio-api-address", "a:1", "--insecure", "--poll-interval", "0"],
+            "--poll-interval 0.0: give seconds in [0.001, 60]",
+        ),
+        (
+            ["--appio-api-address", "a:1", "--insecure", "--preload", "torch;numpy"],
+            "'torch;numpy' is not a module name",
+        ),
+        (
+            ["--appio-api-address", "a:1", "--root-certificates", "/nonexistent/ca.crt"],
+            "/nonexistent/ca.crt: no such file",
+        ),
+    ],
+)
+def test_parse_args_refuses_bad_settings_by_value(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+CHECK_CHILD = f"""
+import os, sys
+ok = (
+    "torch" in sys.modules
+    and "{WARM_UP_MODULE}" in sys.modules
+    and not any(n == "tessera" or n.startswith("tessera.") for n in sys.modules)
+    and not any(n.split(".")[0] in ("client_app", "strategies", "models") for n in sys.modules)
+)
+import torch
+ok = ok and torch.get_num_threads() == {{threads}}
+os._exit(0 if ok else 3)
+"""
+
+
+def test_fork_server_holds_torch_warm_and_none_of_the_app() -> None:
+    # Prepare: the fork server is a fresh interpreter with the executor's preload
+    import torch
+
+    threads = torch.get_num_threads()
+
+    # Execute: a process forked from it checks what it inherited
+    ctx = fork_server(DEFAULT_PRELOAD, warm_up=True)
+    child = ctx.Process(target=exec, args=(CHECK_CHILD.format(threads=threads),))
+    child.start()
+    child.join(60)
+
+    # Assert: torch and the warm-up are loaded, no module of the app is (the app's own
+    # code comes from the FAB in each ClientApp process), the thread count is the
+    # default again; the warm-up's private folder is off PYTHONPATH again
+    assert child.exitcode == 0
+    assert "tessera-executor-" not in os.environ.get("PYTHONPATH", "")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_executor_and_its_fork_server(tmp_path: Path) -> None:
+    # Prepare: an executor whose SuperNode is not there (its pulls retry)
+    log = tmp_path / "executor.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tessera.executor",
+                "--insecure",
+                "--appio-api-address",
+                f"127.0.0.1:{free_port()}",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "fork server ready" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert "fork server ready" in log.read_text(), log.read_text()
+        spawned = children_of(proc.pid)
+        assert spawned, "the fork server is a child of the executor"
+
+        # Execute
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+
+        # Assert: a clean exit, and the fork server went with it
+        assert code == 0, log.read_text()
+        deadline = time.monotonic() + 10
+        while not all(process_gone(p) for p in spawned) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(process_gone(p) for p in spawned), spawned
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_forked_processes_do_not_import_the_package_when_run_with_dash_m() -> None:
+    # Prepare: a parent whose __main__ is tessera.executor, as `python -m` makes it
+    code = (
+        "import sys, tessera.executor as e\n"
+        "sys.modules['__main__'] = e\n"
+        "if sys.argv[1] == 'detach':\n"
+        "    e.detach_main_module()\n"
+        "ctx = e.fork_server((), warm_up=False)\n"
+        "p = ctx.Process(target=exec, args=("
+        "'import os, sys; os._exit(3 if \"tessera\" in sys.modules else 0)',))\n"
+        "p.start(); p.join(60)\n"
+        "sys.exit(p.exitcode)\n"
+    )
+
+    # Execute
+    def run(mode: str) -> int:
+        return subprocess.run(
+            [sys.executable, "-c", code, mode], cwd=ROOT, timeout=120, check=False
+        ).returncode
+
+    # Assert: multiprocessing re-imports the package in each process unless detached
+    assert run("keep") == 3
+    assert run("detach") == 0
