@@ -27,6 +27,10 @@ its executor containers; Tessera's warm executor, :mod:`tessera.executor`) and
 (issue 26): ours / Flower <= 1.05 in simulation and <= 0.25 in deployment; our
 overhead <= 1.5 s a round with process isolation.
 
+The deployment modes also sample the memory of every process of the deployment
+(SuperLink, SuperNodes, executors, fork servers, ClientApps, ServerApp: the sum of
+their proportional set sizes, every 0.5 s) and report its peak.
+
 Prints a table and writes ``results/bench-overhead/overhead.json``; a second table
 splits a node's round in Tessera's loop into its phases (:mod:`tessera.phases`).
 """
@@ -38,6 +42,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,7 +98,15 @@ def run_once(
             "flower" if mode == "deploy-process-flower" else "tessera",
         ]
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    sampler = None
+    if mode != "sim":  # every process of the deployment names its workdir (FLWR_HOME)
+        sampler = MemorySampler(str(out / f"{name}-work").encode())
+        sampler.start()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"{mode} {scheme} failed (exit {proc.returncode})")
@@ -102,7 +115,53 @@ def run_once(
         f"  {mode:6s} {scheme:12s} {len(lines)} rounds in {time.monotonic() - started:.0f} s",
         flush=True,
     )
-    return [json.loads(line) for line in lines]
+    records = [json.loads(line) for line in lines]
+    if sampler is not None:
+        for record in records:
+            record["deployment_peak_pss_mb"] = sampler.peak_mb
+    return records
+
+
+def pss_mb(needle: bytes, proc_root: Path = Path("/proc")) -> float:
+    """Sum the proportional set size (MB) of every process whose environment holds ``needle``.
+
+    PSS splits each shared page among the processes that map it, so the sum is the
+    memory the deployment takes, counting a fork server's pages once.
+    """
+    total_kb = 0
+    for pid in proc_root.glob("[0-9]*"):
+        try:
+            if needle not in (pid / "environ").read_bytes():
+                continue
+            for line in (pid / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+                    break
+        except (OSError, ValueError, IndexError):
+            continue  # gone, or not ours to read
+    return total_kb / 1024
+
+
+class MemorySampler:
+    """Sample :func:`pss_mb` every half second in a thread and keep the peak."""
+
+    def __init__(self, needle: bytes, every: float = 0.5) -> None:
+        self.needle, self.every, self.peak_mb = needle, every, 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every):
+            self.peak_mb = max(self.peak_mb, pss_mb(self.needle))
+
+    def start(self) -> None:
+        """Start sampling."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling."""
+        self._done.set()
+        self._thread.join()
 
 
 def summarise(records: list[list[dict[str, Any]]]) -> dict[str, float]:
@@ -113,6 +172,7 @@ def summarise(records: list[list[dict[str, Any]]]) -> dict[str, float]:
         "overhead_seconds": statistics.mean(r["overhead_seconds"] for r in rows),
         "slowest_train_seconds": statistics.mean(r["slowest_train_seconds"] for r in rows),
         "rounds_measured": len(rows),
+        "peak_pss_mb": max((r.get("deployment_peak_pss_mb", 0.0) for r in rows), default=0.0),
     }
 
 
@@ -188,8 +248,11 @@ def main() -> int:
         f"\nFramework overhead per round ({args.nodes} nodes, {args.arch}, digits, "
         f"rounds 2..{args.rounds}, {args.repeats} repeats, alternating)"
     )
-    print("| mode | loop | round s | slowest client train s | overhead s | ratio (ours/Flower) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| mode | loop | round s | slowest client train s | overhead s | ratio (ours/Flower) "
+        "| deployment peak PSS MB |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for mode, by in results.items():
         ratio = by["fedavg"]["round_seconds"] / by["flwr-fedavg"]["round_seconds"]
         target = ROUND_TARGETS[mode]
@@ -200,9 +263,10 @@ def main() -> int:
             overhead_s = f"{s['overhead_seconds']:.2f}"
             if scheme == "fedavg" and mode.startswith("deploy-process"):
                 overhead_s += f" (target <= {OVERHEAD_TARGET})"
+            memory = f"{s['peak_pss_mb']:.0f}" if s["peak_pss_mb"] else "-"
             print(
                 f"| {mode} | {label} | {s['round_seconds']:.2f} | "
-                f"{s['slowest_train_seconds']:.2f} | {overhead_s} | {ratio_s} |"
+                f"{s['slowest_train_seconds']:.2f} | {overhead_s} | {ratio_s} | {memory} |"
             )
         results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
     print(

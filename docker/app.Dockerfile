@@ -42,6 +42,21 @@ print('torch', torch.__version__, 'flwr', flwr.__version__)" \
  && useradd --uid 1000 --user-group --create-home --home-dir /home/tessera --shell /bin/bash tessera \
  && mkdir -p /results /data \
  && chown tessera:tessera /results /data
+# The ServerApp image (tessera/app-server: SERVER_EXTRAS=true) adds the ensemble's
+# optimisers and numba in a layer of its own, so both images share the one above.
+ARG SERVER_EXTRAS=false
+COPY docker/requirements-server.txt /tmp/requirements-server.txt
+RUN if [ "$SERVER_EXTRAS" = true ]; then \
+        if [ -n "$WHEELHOUSE_URL" ]; then src=(--no-index --find-links "$WHEELHOUSE_URL"); \
+        else src=(); fi; \
+        /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check "${src[@]}" \
+            -r /tmp/requirements-server.txt \
+     && /opt/venv/bin/python -c "import optuna, cmaes, pyswarms, smac, numba; \
+print('optuna', optuna.__version__, 'numba', numba.__version__)"; \
+    elif [ "$SERVER_EXTRAS" != false ]; then \
+        echo "SERVER_EXTRAS is '$SERVER_EXTRAS'; use true or false" >&2; exit 1; \
+    fi \
+ && rm -f /tmp/requirements-server.txt
 COPY docker/entrypoint.sh /usr/local/bin/tessera-entrypoint
 COPY docker/healthcheck.py /usr/local/bin/tessera-healthcheck
 # the warm ClientApp executor (`tessera-entrypoint clientapp`): one file, standard

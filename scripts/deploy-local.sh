@@ -22,11 +22,12 @@
 #   --timeout SECONDS bound on the whole deployment (default 900)
 #   --node-config "I:k=v ..."  extra node-config for node I (repeatable), e.g.
 #                     "2:attack='boost'" makes node 2 hostile (the attack harness)
-#   --isolation MODE  how each SuperNode runs the ClientApp: subprocess (default;
-#                     the SuperNode starts its own flower-superexec) or process (a
-#                     separate long-lived flower-superexec per node on the node's
-#                     ClientAppIo port, as the compose cluster runs its ClientApp
-#                     executor containers)
+#   --isolation MODE  how each SuperNode runs the ClientApp: process (default; a
+#                     separate long-lived executor per node on the node's ClientAppIo
+#                     port, as the compose cluster runs its ClientApp executor
+#                     containers) or subprocess (the SuperNode starts Flower's
+#                     flower-superexec itself); process with the tessera executor
+#                     is about twice as fast a round (benchmarks/overhead.py)
 #   --executor NAME   with --isolation process, each node's executor: tessera
 #                     (default; `python -m tessera.executor`, which forks each
 #                     message's ClientApp process from a fork server that imported
@@ -59,7 +60,7 @@ insecure=0
 workdir=""
 timeout_s=900
 resume=0
-isolation=subprocess
+isolation=process
 executor=tessera
 declare -A extra_node_config=()
 add_node_config() { # "I:k=v ..."

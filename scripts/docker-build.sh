@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Build Tessera's Docker images: tessera/flower (SuperLink, SuperNode, the one-shot
-# init/register/run services) and tessera/app-cpu (ServerApp and ClientApp executors).
+# init/register/run services), tessera/app-cpu (the ClientApp executor) and
+# tessera/app-server (the ServerApp executor: app-cpu plus the ensemble's optimisers
+# and numba, docker/requirements-server.txt).
 #
 # Usage: scripts/docker-build.sh [--base official|local|IMAGE] [--wheelhouse|--no-wheelhouse]
 #                                [--platform linux/amd64|linux/arm64] [--tag TAG]
-#                                [--flwr-version V] [--torch-version V] [--only flower|app]
+#                                [--flwr-version V] [--torch-version V]
+#                                [--only flower|app|server]
 #
 #   --base official  FROM python:3.11-slim-bookworm (default; needs a registry)
 #   --base local     FROM tessera/base:bookworm, made here with debootstrap from the
@@ -63,13 +66,16 @@ while [ $# -gt 0 ]; do
         --flwr-version=*) flwr_version="${1#*=}"; shift ;;
         --torch-version) [ $# -ge 2 ] || die "--torch-version needs a version"; torch_version="$2"; shift 2 ;;
         --torch-version=*) torch_version="${1#*=}"; shift ;;
-        --only) [ $# -ge 2 ] || die "--only needs flower or app"; only="$2"; shift 2 ;;
+        --only) [ $# -ge 2 ] || die "--only needs flower, app or server"; only="$2"; shift 2 ;;
         --only=*) only="${1#*=}"; shift ;;
         -h | --help) usage; exit 0 ;;
         *) die "unknown argument '$1'; see --help" ;;
     esac
 done
-case "$only" in '' | flower | app) ;; *) die "--only must be flower or app (got '$only')" ;; esac
+case "$only" in
+    '' | flower | app | server) ;;
+    *) die "--only must be flower, app or server (got '$only')" ;;
+esac
 
 have docker || die "docker is not on PATH; install Docker (or run scripts/ci-docker.sh start)"
 docker version --format '{{.Server.Version}}' >/dev/null 2>&1 \
@@ -163,7 +169,8 @@ wheel_dir=""
 fill_wheelhouse() {
     local py key stamp
     py="$(tessera_python)" || die "no python3 on the host to download the wheelhouse"
-    key="$(sha256sum <"$TESSERA_ROOT/docker/requirements-app.txt" | cut -c1-12)"
+    key="$(cat "$TESSERA_ROOT/docker/requirements-app.txt" \
+        "$TESSERA_ROOT/docker/requirements-server.txt" | sha256sum | cut -c1-12)"
     key="py$IMAGE_PYTHON-$pip_arch-flwr$flwr_version-torch$torch_version-$key"
     wheel_dir="$CACHE/wheelhouse-$key"
     stamp="$wheel_dir/.complete"
@@ -186,6 +193,7 @@ fill_wheelhouse() {
         --python-version "$IMAGE_PYTHON" --implementation cp "${plat[@]}" \
         ${TESSERA_TORCH_INDEX_URL:+--extra-index-url "$TESSERA_TORCH_INDEX_URL"} \
         "flwr==$flwr_version" "torch==$torch_version" -r "$TESSERA_ROOT/docker/requirements-app.txt" \
+        -r "$TESSERA_ROOT/docker/requirements-server.txt" \
         >"$CACHE/wheelhouse.log" 2>&1 \
         || { grep -v '^WARNING: Location' "$CACHE/wheelhouse.log" | tail -n 20 >&2
             die "pip download failed (above; log $CACHE/wheelhouse.log): a package without a" \
@@ -249,8 +257,9 @@ if [ "$wheelhouse" = 1 ]; then
 fi
 
 # ------------------------------------------------------------------- images
-build() { # build NAME DOCKERFILE
+build() { # build NAME DOCKERFILE [--build-arg K=V]...
     local name="$1" dockerfile="$2"
+    shift 2
     log "building $name:$tag from $base_image ($platform, flwr $flwr_version)"
     local args=(
         --file "$TESSERA_ROOT/docker/$dockerfile"
@@ -260,6 +269,7 @@ build() { # build NAME DOCKERFILE
         --build-arg "TORCH_VERSION=$torch_version"
         --build-arg "WHEELHOUSE_URL=$wheel_url"
         --label "org.opencontainers.image.version=$flwr_version"
+        "$@"
     )
     if [ "$DOCKER_BUILDKIT" != 0 ] || [ "$platform" != "linux/$engine_arch" ]; then
         args+=(--platform "$platform")
@@ -278,6 +288,10 @@ fi
 if [ -z "$only" ] || [ "$only" = app ]; then
     build tessera/app-cpu app.Dockerfile
     step_done "tessera/app-cpu"
+fi
+if [ -z "$only" ] || [ "$only" = server ]; then
+    build tessera/app-server app.Dockerfile --build-arg SERVER_EXTRAS=true
+    step_done "tessera/app-server"
 fi
 # Drop the dangling images that rebuilds leave behind (not the layer cache of the
 # current images).

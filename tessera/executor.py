@@ -493,11 +493,18 @@ class Executor:
                     LOG.info("parent %d is gone: stopping", config.parent_pid)
                     break
                 self._reap()
-                tasks = stub.PullPendingTasks(PullPendingTasksRequest()).tasks
-                if not tasks:
-                    self._stop.wait(config.poll_interval)
+                try:
+                    tasks = stub.PullPendingTasks(PullPendingTasksRequest()).tasks
+                    if not tasks:
+                        self._stop.wait(config.poll_interval)
+                        continue
+                    claim = stub.ClaimTask(ClaimTaskRequest(task_id=tasks[0].task_id))
+                except Exception as err:  # the SuperNode may restart
+                    # Flower's executor exits here; a node's SuperNode that restarts
+                    # (a crash, a new container) finds this one still serving
+                    LOG.warning("ClientAppIo call failed (%s); retrying in 1 s", _reason(err))
+                    self._stop.wait(1.0)
                     continue
-                claim = stub.ClaimTask(ClaimTaskRequest(task_id=tasks[0].task_id))
                 if claim.token:
                     proc = launch_clientapp(ctx, config, claim.token)
                     LOG.info("task %s: ClientApp process %s", tasks[0].task_id, proc.pid)
@@ -505,6 +512,14 @@ class Executor:
         finally:
             self.stop_children()
             channel.close()
+
+
+def _reason(err: BaseException) -> str:
+    """Return a gRPC error's code and details, or the exception's type and text."""
+    code, details = getattr(err, "code", None), getattr(err, "details", None)
+    if callable(code) and callable(details):
+        return f"{code()}: {details()}"
+    return f"{type(err).__name__}: {err}"
 
 
 def _alive(pid: int) -> bool:

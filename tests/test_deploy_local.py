@@ -353,7 +353,8 @@ def test_stopped_deployment_resumes_with_every_round_once(tmp_path: Path) -> Non
 def test_fedfa_trains_width_and_depth_slices_in_native_deployment(tmp_path: Path) -> None:
     # Prepare: FedFA on preresnet26_025; the three device profiles pick their slices.
     # The nodes run in Flower's process isolation (--isolation process): each has a
-    # ClientApp executor of its own, as the compose cluster's executor containers
+    # ClientApp executor of its own (Tessera's warm executor, the default), as the
+    # compose cluster's executor containers
     config = _run_config(
         tmp_path,
         "strategy='fedfa' model-family='preresnet' submodel-widths='1,0.25' local-epochs=1",
@@ -371,12 +372,15 @@ def test_fedfa_trains_width_and_depth_slices_in_native_deployment(tmp_path: Path
     )
     out = proc.stdout + proc.stderr
 
-    # Assert: every node's ClientApps ran from its own executor process, none from
-    # an executor the SuperNode started
+    # Assert: every node's ClientApps ran in processes forked by its own warm
+    # executor (one per message: handshake and two rounds), none from an executor the
+    # SuperNode started
     assert proc.returncode == 0, _output(proc, out)
     for i in range(3):
         executor = (logs / f"clientapp-executor-{i}.log").read_text()
-        assert executor.count("Start `flwr-clientapp` process") >= 2, executor[-2000:]
+        assert "fork server ready" in executor, executor[-2000:]
+        assert executor.count(": ClientApp process ") >= 3, executor[-2000:]
+        assert "exited with" not in executor, executor[-2000:]
         assert "Starting Flower SuperExec" not in (logs / f"supernode-{i}.log").read_text()
 
     # Assert: both rounds ran over gRPC, slices of the global model came back and were

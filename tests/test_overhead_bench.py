@@ -1,0 +1,32 @@
+"""benchmarks/overhead.py's memory figure: the PSS of a deployment's processes, by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.overhead import pss_mb
+
+
+def _process(root: Path, pid: int, environ: bytes, pss_kb: int | None) -> None:
+    folder = root / str(pid)
+    folder.mkdir()
+    (folder / "environ").write_bytes(environ)
+    if pss_kb is not None:
+        (folder / "smaps_rollup").write_text(
+            f"00400000-7fff [rollup]\nRss:    {pss_kb * 2} kB\nPss:    {pss_kb} kB\n"
+        )
+
+
+def test_pss_sums_the_processes_that_name_the_deployment(tmp_path: Path) -> None:
+    # Prepare: two processes of the deployment (1024 kB and 2048 kB of PSS), one of
+    # another deployment, one of ours that exited before its smaps could be read
+    ours = b"PATH=/bin\0FLWR_HOME=/work/run-7-work/flwr-home\0"
+    _process(tmp_path, 11, ours, 1024)
+    _process(tmp_path, 12, ours, 2048)
+    _process(tmp_path, 13, b"FLWR_HOME=/work/run-8-work/flwr-home\0", 4096)
+    _process(tmp_path, 14, ours, None)
+    (tmp_path / "self").mkdir()  # not a pid folder
+
+    # Execute / Assert: (1024 + 2048) kB = 3 MB
+    assert pss_mb(b"/work/run-7-work", tmp_path) == 3.0
+    assert pss_mb(b"/work/run-9-work", tmp_path) == 0.0
