@@ -47,9 +47,10 @@ print('torch', torch.__version__, 'flwr', flwr.__version__)" \
 ARG SERVER_EXTRAS=false
 COPY docker/requirements-server.txt /tmp/requirements-server.txt
 RUN if [ "$SERVER_EXTRAS" = true ]; then \
-        if [ -n "$WHEELHOUSE_URL" ]; then src=(--no-index --find-links "$WHEELHOUSE_URL"); \
-        else src=(); fi; \
-        /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check "${src[@]}" \
+        if [ -n "$WHEELHOUSE_URL" ]; then \
+            export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELHOUSE_URL"; \
+        fi; \
+        /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
             -r /tmp/requirements-server.txt \
      && /opt/venv/bin/python -c "import optuna, cmaes, pyswarms, smac, numba; \
 print('optuna', optuna.__version__, 'numba', numba.__version__)"; \

@@ -187,14 +187,22 @@ fill_wheelhouse() {
         plat+=(--platform "${tagged}_$pip_arch")
     done
     plat+=(--platform "linux_$pip_arch")
+    # Pure-Python packages published as source only (the ensemble's smac and its
+    # pynisher): built into wheels here first, so the binary-only download finds them.
+    grep -E '^(smac|pynisher)==' "$TESSERA_ROOT/docker/requirements-server.txt" \
+        >"$CACHE/source-only.txt"
+    "$py" -m pip wheel --no-deps --wheel-dir "$wheel_dir" -r "$CACHE/source-only.txt" \
+        >"$CACHE/wheelhouse.log" 2>&1 \
+        || { tail -n 20 "$CACHE/wheelhouse.log" >&2
+            die "building wheels of the source-only packages failed (log $CACHE/wheelhouse.log)"; }
     # TESSERA_TORCH_INDEX_URL: where to find a CPU torch when pip's own configuration
     # (find-links, index) has none, e.g. https://download.pytorch.org/whl/cpu.
-    "$py" -m pip download --dest "$wheel_dir" --only-binary=:all: \
+    "$py" -m pip download --dest "$wheel_dir" --only-binary=:all: --find-links "$wheel_dir" \
         --python-version "$IMAGE_PYTHON" --implementation cp "${plat[@]}" \
         ${TESSERA_TORCH_INDEX_URL:+--extra-index-url "$TESSERA_TORCH_INDEX_URL"} \
         "flwr==$flwr_version" "torch==$torch_version" -r "$TESSERA_ROOT/docker/requirements-app.txt" \
         -r "$TESSERA_ROOT/docker/requirements-server.txt" \
-        >"$CACHE/wheelhouse.log" 2>&1 \
+        >>"$CACHE/wheelhouse.log" 2>&1 \
         || { grep -v '^WARNING: Location' "$CACHE/wheelhouse.log" | tail -n 20 >&2
             die "pip download failed (above; log $CACHE/wheelhouse.log): a package without a" \
                 "wheel for $platform and Python $IMAGE_PYTHON cannot go into the wheelhouse"; }

@@ -299,6 +299,36 @@ def test_containers_chose_architectures_from_their_limits(cluster: Cluster) -> N
     assert trained == archs
 
 
+def test_clientapps_ran_in_the_warm_executor(cluster: Cluster) -> None:
+    # Each ClientApp container runs Tessera's executor (not flower-superexec) and its
+    # fork server; it forked a ClientApp process per message and none failed
+    assert cluster.run_rc == 0
+    for n in (1, 2, 3):
+        container = cluster.container(f"clientapp-{n}")
+        top = _run(["docker", "exec", container, "python3", "-c", PS]).stdout
+        assert "/usr/local/lib/tessera/executor.py" in top, top
+        assert "multiprocessing.forkserver" in top and "flower-superexec" not in top, top
+        logs = _run(["docker", "logs", container], timeout=60)
+        log = logs.stdout + logs.stderr
+        assert "fork server ready" in log, log[-3000:]
+        assert log.count(": ClientApp process ") >= ROUNDS + 1, log[-3000:]
+        assert "exited with" not in log, log[-3000:]
+
+
+def test_the_server_image_carries_the_ensemble_optimisers(images: None) -> None:
+    # tessera/app-server (the compose ServerApp) has every optimiser of the ensemble
+    # and numba; tessera/app-cpu (the ClientApps) has none of them
+    probe = (
+        "import importlib.util as u; "
+        "print(sorted(m for m in ('optuna', 'cmaes', 'pyswarms', 'smac', 'numba') "
+        "if u.find_spec(m)))"
+    )
+    server = _run(["docker", "run", "--rm", "tessera/app-server:latest", "python", "-c", probe])
+    client = _run(["docker", "run", "--rm", "tessera/app-cpu:latest", "python", "-c", probe])
+    assert server.stdout.strip() == "['cmaes', 'numba', 'optuna', 'pyswarms', 'smac']"
+    assert client.stdout.strip() == "[]"
+
+
 def test_results_belong_to_the_configured_user(cluster: Cluster) -> None:
     out = cluster.results / "e2e"
     assert {p.name for p in out.iterdir()} >= {"config.json", "metrics.jsonl", "summary.json"}
