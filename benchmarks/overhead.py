@@ -23,7 +23,10 @@ SuperLink and SuperNodes as processes, each SuperNode starting its own ClientApp
 executor, Flower's ``subprocess`` isolation), ``deploy-process`` (the same with
 ``--isolation process``: a long-lived executor per node, as the compose cluster runs
 its executor containers; Tessera's warm executor, :mod:`tessera.executor`) and
-``deploy-process-flower`` (the same with Flower's ``flower-superexec``). Targets
+``deploy-process-flower`` (the same with Flower's ``flower-superexec``), ``compose``
+and ``compose-flower`` (``compose.yaml``'s cluster: containers with their CPU and
+memory limits, TLS, Tessera's or Flower's ClientApp executor; needs a Docker engine
+and the images, ``scripts/docker-build.sh``). Targets
 (issue 26): ours / Flower <= 1.05 in simulation and <= 0.25 in deployment; our
 overhead <= 1.5 s a round with process isolation.
 
@@ -39,6 +42,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -49,16 +55,102 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("fedavg", "flwr-fedavg")
-MODES = ("sim", "deploy", "deploy-process", "deploy-process-flower")
+MODES = ("sim", "deploy", "deploy-process", "deploy-process-flower", "compose", "compose-flower")
 ROUND_TARGETS = {
     "sim": 1.05,
     "deploy": 0.25,
     "deploy-process": 0.25,
     "deploy-process-flower": 0.25,
+    "compose": 0.25,
+    "compose-flower": 0.25,
 }
 """Issue 26's targets for Tessera's round over Flower's ``FedAvg.start`` round."""
 OVERHEAD_TARGET = 1.5
 """Issue 26's target for Tessera's overhead (s a round) with process isolation."""
+
+
+def compose_command() -> list[str]:
+    """Return the Docker Compose command of this machine (v2 plugin or v1 binary)."""
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    raise RuntimeError(
+        "the compose modes need Docker Compose: start an engine and build the images "
+        "(scripts/ci-docker.sh start; scripts/docker-build.sh --base local)"
+    )
+
+
+def free_port() -> int:
+    """Return a free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_compose(
+    mode: str, scheme: str, *, rounds: int, arch: str, out: Path, name: str
+) -> list[dict[str, Any]]:
+    """Run one federation on the compose cluster (``compose.yaml``) and return its rounds.
+
+    The cluster's three nodes, under their CPU and memory limits, come up with the run,
+    and the whole project (containers, networks, volumes) is removed afterwards.
+    """
+    compose = compose_command()
+    results = out / f"{name}-results"
+    results.mkdir(parents=True)  # empty: the cluster's init hands it to uid 1000
+    env_file = out / f"{name}.env"
+    env_file.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "COMPOSE_"))}
+    env.update(
+        TESSERA_RESULTS_DIR=str(results),
+        TESSERA_ROUNDS=str(rounds),
+        TESSERA_RUN_NAME=name,
+        TESSERA_STRATEGY=scheme,
+        TESSERA_RUN_CONFIG=f"fedavg-arch='{arch}' local-epochs=1 partitioner='iid'",
+        TESSERA_EXECUTOR="flower" if mode == "compose-flower" else "tessera",
+        TESSERA_FLEET_PORT=str(free_port()),
+        TESSERA_CONTROL_PORT=str(free_port()),
+        TESSERA_RUN_TIMEOUT="1200",
+    )
+    base = [
+        *compose,
+        "--project-name",
+        f"tessera-overhead-{os.getpid()}",
+        "--env-file",
+        str(env_file),
+        "-f",
+        str(ROOT / "compose.yaml"),
+    ]
+
+    def call(*args: str, timeout: float = 600) -> str:
+        proc = subprocess.run(
+            [*base, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed: {proc.stderr[-3000:]}")
+        return proc.stdout
+
+    try:
+        call("up", "-d")
+        run_id = call("ps", "-q", "run").strip()
+        waited = subprocess.run(
+            ["docker", "wait", run_id], capture_output=True, text=True, timeout=1500, check=True
+        )
+        if waited.stdout.strip() != "0":
+            logs = subprocess.run(["docker", "logs", run_id], capture_output=True, text=True)
+            raise RuntimeError(f"the compose run exited {waited.stdout.strip()}: {logs.stderr}")
+    finally:
+        subprocess.run(
+            [*base, "down", "--volumes", "--remove-orphans", "--timeout", "10"],
+            env=env,
+            capture_output=True,
+            timeout=300,
+            check=False,
+        )
+    lines = (results / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def run_once(
@@ -69,6 +161,14 @@ def run_once(
         f"strategy='{scheme}' fedavg-arch='{arch}' num-server-rounds={rounds} "
         "local-epochs=1 partitioner='iid'"
     )
+    if mode.startswith("compose"):
+        started = time.monotonic()
+        records = run_compose(mode, scheme, rounds=rounds, arch=arch, out=out, name=name)
+        print(
+            f"  {mode:6s} {scheme:12s} {len(records)} rounds in {time.monotonic() - started:.0f} s",
+            flush=True,
+        )
+        return records
     if mode == "sim":
         cmd = [
             "bash",
@@ -222,6 +322,8 @@ def main() -> int:
     for mode in modes:
         if mode not in MODES:
             parser.error(f"--modes: unknown mode '{mode}'; use {', '.join(MODES)}")
+        if mode.startswith("compose") and args.nodes != 3:
+            parser.error(f"--modes {mode} runs compose.yaml's 3 nodes; give --nodes 3")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out / stamp
     out.mkdir(parents=True, exist_ok=True)
@@ -261,7 +363,7 @@ def main() -> int:
             label = "Tessera fedavg" if scheme == "fedavg" else "Flower FedAvg.start"
             ratio_s = f"{ratio:.2f} (target <= {target})" if scheme == "fedavg" else ""
             overhead_s = f"{s['overhead_seconds']:.2f}"
-            if scheme == "fedavg" and mode.startswith("deploy-process"):
+            if scheme == "fedavg" and mode.startswith(("deploy-process", "compose")):
                 overhead_s += f" (target <= {OVERHEAD_TARGET})"
             memory = f"{s['peak_pss_mb']:.0f}" if s["peak_pss_mb"] else "-"
             print(
