@@ -277,7 +277,10 @@ for line in lines:
     print(f"  round {r['round']}: {r.get('num_ok')}/{r.get('num_sent')} ok, "
           f"{r['round_seconds']:.1f} s, personalised accuracy "
           f"{r.get('personal_accuracy_mean') or float('nan'):.3f}, archs {archs}")
-for n in config.get("nodes", []):
+nodes = config.get("nodes")  # a list of node records; flwr-fedavg writes a count
+for n in nodes if isinstance(nodes, list) else []:
+    if not isinstance(n, dict):
+        continue
     p = n.get("profile", {})
     print(f"  node {n.get('partition_id')}: {p.get('name')} profile, "
           f"{p.get('cpu-cores', 0):.2f} cores, {p.get('memory-bytes', 0) / 2**20:.0f} MiB, "
