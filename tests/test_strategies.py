@@ -862,8 +862,7 @@ def test_exchange_does_not_space_polls_by_the_download_of_replies(
     )
     grid = Downloading({22: Mock(), 23: Mock()}, handlers={"train": echo})
     messages = [
-        Message(RecordDict(), dst_node_id=node, message_type="train", ttl=60.0)
-        for node in (22, 23)
+        Message(RecordDict(), dst_node_id=node, message_type="train", ttl=60.0) for node in (22, 23)
     ]
 
     # Execute
