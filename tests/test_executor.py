@@ -21,7 +21,6 @@ from tessera.executor import (
     DEFAULT_PRELOAD,
     WARM_UP_MODULE,
     ExecutorConfig,
-    fork_server,
     parse_args,
     parse_preload,
 )
@@ -96,35 +95,66 @@ def test_parse_args_refuses_bad_settings_by_value(
 
 CHECK_CHILD = f"""
 import os, sys
-ok = (
-    "torch" in sys.modules
-    and "{WARM_UP_MODULE}" in sys.modules
-    and not any(n == "tessera" or n.startswith("tessera.") for n in sys.modules)
-    and not any(n.split(".")[0] in ("client_app", "strategies", "models") for n in sys.modules)
-)
 import torch
-ok = ok and torch.get_num_threads() == {{threads}}
-os._exit(0 if ok else 3)
+missing = [
+    name
+    for name, ok in (
+        ("torch", "torch" in sys.modules),
+        ("the warm-up", "{WARM_UP_MODULE}" in sys.modules),
+        ("torch._dynamo (warmed)", "torch._dynamo" in sys.modules),
+        ("no tessera", not any(n.split(".")[0] == "tessera" for n in sys.modules)),
+        (
+            "no app module",
+            not any(n.split(".")[0] in ("client_app", "strategies", "models") for n in sys.modules),
+        ),
+        ("default threads", torch.get_num_threads() == {{threads}}),
+    )
+    if not ok
+]
+print("missing:", missing, file=sys.stderr, flush=True)
+os._exit(3 if missing else 0)
+"""
+
+PARENT = """
+import os, sys
+from tessera.executor import DEFAULT_PRELOAD, fork_server
+ctx = fork_server(DEFAULT_PRELOAD, warm_up=True)
+child = ctx.Process(target=exec, args=(sys.argv[1],))
+child.start()
+child.join(60)
+if "tessera-executor-" in os.environ.get("PYTHONPATH", ""):
+    sys.exit(4)
+sys.exit(child.exitcode)
 """
 
 
 def test_fork_server_holds_torch_warm_and_none_of_the_app() -> None:
-    # Prepare: the fork server is a fresh interpreter with the executor's preload
-    import torch
+    # Prepare: a fresh interpreter (this test process may have started multiprocessing's
+    # fork server already, or changed torch's threads); torch's default thread count
+    threads = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
 
-    threads = torch.get_num_threads()
+    # Execute: a parent starts the executor's fork server; a process forked from it
+    # checks what it inherited
+    proc = subprocess.run(
+        [sys.executable, "-c", PARENT, CHECK_CHILD.format(threads=threads)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
-    # Execute: a process forked from it checks what it inherited
-    ctx = fork_server(DEFAULT_PRELOAD, warm_up=True)
-    child = ctx.Process(target=exec, args=(CHECK_CHILD.format(threads=threads),))
-    child.start()
-    child.join(60)
-
-    # Assert: torch and the warm-up are loaded, no module of the app is (the app's own
-    # code comes from the FAB in each ClientApp process), the thread count is the
-    # default again; the warm-up's private folder is off PYTHONPATH again
-    assert child.exitcode == 0
-    assert "tessera-executor-" not in os.environ.get("PYTHONPATH", "")
+    # Assert: torch (warmed) and the warm-up are loaded, no module of the app is (the
+    # app's own code comes from the FAB in each ClientApp process), the thread count is
+    # the default again; the warm-up's private folder is off PYTHONPATH again (not 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "missing: []" in proc.stderr
 
 
 def free_port() -> int:
