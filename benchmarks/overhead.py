@@ -32,7 +32,8 @@ overhead <= 1.5 s a round with process isolation.
 
 The deployment modes also sample the memory of every process of the deployment
 (SuperLink, SuperNodes, executors, fork servers, ClientApps, ServerApp: the sum of
-their proportional set sizes, every 0.5 s) and report its peak.
+their proportional set sizes, every 0.5 s) and report its peak; the compose modes
+the sum of the project's containers' memory as ``docker stats`` reports it.
 
 Prints a table and writes ``results/bench-overhead/overhead.json``; a second table
 splits a node's round in Tessera's loop into its phases (:mod:`tessera.phases`).
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +116,11 @@ def run_compose(
         TESSERA_CONTROL_PORT=str(free_port()),
         TESSERA_RUN_TIMEOUT="1200",
     )
+    project = f"tessera-overhead-{os.getpid()}"
     base = [
         *compose,
         "--project-name",
-        f"tessera-overhead-{os.getpid()}",
+        project,
         "--env-file",
         str(env_file),
         "-f",
@@ -132,8 +135,11 @@ def run_compose(
             raise RuntimeError(f"{' '.join(args)} failed: {proc.stderr[-3000:]}")
         return proc.stdout
 
+    # container names: <project>_<service>_1 (Compose v1) or <project>-<service>-1 (v2)
+    sampler = MemorySampler(lambda: compose_memory_mb(project), every=1.0)
     try:
         call("up", "-d")
+        sampler.start()
         run_id = call("ps", "-q", "run").strip()
         waited = subprocess.run(
             ["docker", "wait", run_id], capture_output=True, text=True, timeout=1500, check=True
@@ -142,6 +148,7 @@ def run_compose(
             logs = subprocess.run(["docker", "logs", run_id], capture_output=True, text=True)
             raise RuntimeError(f"the compose run exited {waited.stdout.strip()}: {logs.stderr}")
     finally:
+        sampler.stop()
         subprocess.run(
             [*base, "down", "--volumes", "--remove-orphans", "--timeout", "10"],
             env=env,
@@ -150,7 +157,10 @@ def run_compose(
             check=False,
         )
     lines = (results / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    records = [json.loads(line) for line in lines]
+    for record in records:
+        record["deployment_peak_pss_mb"] = sampler.peak_mb
+    return records
 
 
 def run_once(
@@ -200,7 +210,8 @@ def run_once(
     started = time.monotonic()
     sampler = None
     if mode != "sim":  # every process of the deployment names its workdir (FLWR_HOME)
-        sampler = MemorySampler(str(out / f"{name}-work").encode())
+        needle = str(out / f"{name}-work").encode()
+        sampler = MemorySampler(lambda: pss_mb(needle))
         sampler.start()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -242,26 +253,69 @@ def pss_mb(needle: bytes, proc_root: Path = Path("/proc")) -> float:
     return total_kb / 1024
 
 
-class MemorySampler:
-    """Sample :func:`pss_mb` every half second in a thread and keep the peak."""
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 1e3, "MB": 1e6, "GB": 1e9}
 
-    def __init__(self, needle: bytes, every: float = 0.5) -> None:
-        self.needle, self.every, self.peak_mb = needle, every, 0.0
+
+def docker_memory_mb(stats: str, prefix: str) -> float:
+    """Sum the memory (MB) of the containers named ``prefix...`` in ``docker stats`` lines.
+
+    Each line is ``NAME USAGE / LIMIT`` (``--format '{{.Name}} {{.MemUsage}}'``), the
+    usage as Docker prints it (``123.4MiB``).
+    """
+    total = 0.0
+    for line in stats.splitlines():
+        parts = line.split()
+        if len(parts) < 2 or not parts[0].startswith(prefix):
+            continue
+        usage = parts[1]
+        unit = next((u for u in sorted(UNITS, key=len, reverse=True) if usage.endswith(u)), "")
+        try:
+            total += float(usage[: len(usage) - len(unit)]) * UNITS.get(unit, 1) / 2**20
+        except ValueError:
+            continue
+    return total
+
+
+def compose_memory_mb(prefix: str) -> float:
+    """Sum the memory (MB) of the running containers named ``prefix...`` (Docker's view)."""
+    proc = subprocess.run(
+        ["docker", "stats", "--no-stream", "--format", "{{.Name}} {{.MemUsage}}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return docker_memory_mb(proc.stdout, prefix)
+
+
+class MemorySampler:
+    """Sample a memory figure every half second in a thread and keep the peak.
+
+    Parameters
+    ----------
+    measure : Callable[[], float]
+        The figure in MB: :func:`pss_mb` of a native deployment, or
+        :func:`compose_memory_mb` of a compose project.
+    """
+
+    def __init__(self, measure: Callable[[], float], every: float = 0.5) -> None:
+        self.measure, self.every, self.peak_mb = measure, every, 0.0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._done.wait(self.every):
-            self.peak_mb = max(self.peak_mb, pss_mb(self.needle))
+            self.peak_mb = max(self.peak_mb, self.measure())
 
     def start(self) -> None:
         """Start sampling."""
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop sampling."""
+        """Stop sampling (also when it never started)."""
         self._done.set()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
 
 
 def summarise(records: list[list[dict[str, Any]]]) -> dict[str, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.overhead import pss_mb
+from benchmarks.overhead import docker_memory_mb, pss_mb
 
 
 def _process(root: Path, pid: int, environ: bytes, pss_kb: int | None) -> None:
@@ -30,3 +30,18 @@ def test_pss_sums_the_processes_that_name_the_deployment(tmp_path: Path) -> None
     # Execute / Assert: (1024 + 2048) kB = 3 MB
     assert pss_mb(b"/work/run-7-work", tmp_path) == 3.0
     assert pss_mb(b"/work/run-9-work", tmp_path) == 0.0
+
+
+def test_docker_memory_sums_the_project_s_containers_by_hand() -> None:
+    # Prepare: `docker stats --format '{{.Name}} {{.MemUsage}}'` lines; two of the
+    # project (Compose v1 and v2 names), one of another project, one unreadable
+    stats = (
+        "tessera-overhead-42_clientapp-1_1 512MiB / 1GiB\n"
+        "tessera-overhead-42-superlink-1 1.5GiB / 23.4GiB\n"
+        "other_clientapp-1_1 100MiB / 1GiB\n"
+        "tessera-overhead-42_run_1 --\n"
+    )
+
+    # Execute / Assert: 512 MiB + 1.5 GiB = 2048 MiB
+    assert docker_memory_mb(stats, "tessera-overhead-42") == 2048.0
+    assert docker_memory_mb("tessera-overhead-42_x_1 2048KiB / 1GiB", "tessera-overhead-42") == 2.0
