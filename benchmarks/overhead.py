@@ -406,7 +406,7 @@ def main() -> int:
     )
     print(
         "| mode | loop | round s | slowest client train s | overhead s | ratio (ours/Flower) "
-        "| deployment peak PSS MB |"
+        "| deployment peak memory MB |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for mode, by in results.items():
