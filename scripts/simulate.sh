@@ -3,12 +3,15 @@
 # the per-round results table. Leaves no process behind.
 #
 #   scripts/simulate.sh [--nodes N] [--run-config "key=value ..."] [--run-name NAME]
-#                       [--ray-address HOST:PORT]
+#                       [--ray-address HOST:PORT] [--gpus-per-node G]
 #
 # Defaults: 6 simulated nodes emulating a mixed fleet (run-config
 # sim-device-profiles), the scheme and data in pyproject.toml [tool.flwr.app.config].
 # --ray-address: run the nodes on an existing Ray cluster (its head's GCS address,
 # from `ray start --head`) instead of a Ray started for this run on this machine.
+# --gpus-per-node: the share of a GPU Ray reserves for each node's ClientApp (0, the
+# default, or a fraction such as 0.25 to run four nodes on one GPU at a time).
+# Nodes probe their device (run-config sim-device-profiles='') to train on it.
 # Environment: FLWR_HOME_SIM (Flower's home), SIMULATE_RETRY_WAIT (seconds, times the
 # attempt, between start attempts; 10), TESSERA_FLWR (the flwr command; tests).
 set -euo pipefail
@@ -18,6 +21,7 @@ NODES=6
 RUN_CONFIG=""
 RUN_NAME="sim-$(date +%Y%m%d-%H%M%S)"
 RAY_CLUSTER=""
+GPUS=0
 OUTPUT_DIR="$ROOT/results"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -26,11 +30,15 @@ while [ $# -gt 0 ]; do
         --run-name) RUN_NAME="$2"; shift 2 ;;
         --output-dir) OUTPUT_DIR="$2"; shift 2 ;;
         --ray-address) RAY_CLUSTER="$2"; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        --gpus-per-node) GPUS="$2"; shift 2 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "simulate.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
 case "$NODES" in ''|*[!0-9]*) echo "simulate.sh: --nodes must be a positive integer, got '$NODES'" >&2; exit 2 ;; esac
+case "$GPUS" in
+    ''|*[!0-9.]*|*.*.*|.) echo "simulate.sh: --gpus-per-node must be a number such as 0, 0.25 or 1 (a share of one GPU per node), got '$GPUS'" >&2; exit 2 ;;
+esac
 
 case "$RAY_CLUSTER" in
     '') ;;
@@ -41,6 +49,14 @@ case "$RAY_CLUSTER" in
 esac
 
 bash scripts/setup.sh
+# A GPU share on a machine with none would leave every ClientApp waiting for Ray to
+# schedule it: refuse it now (a Ray cluster may hold GPUs this machine lacks).
+if [ -z "$RAY_CLUSTER" ] && [ "$(awk -v g="$GPUS" 'BEGIN { print (g > 0) }')" = 1 ]; then
+    if ! .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() > 0 else 1)'; then
+        echo "simulate.sh: --gpus-per-node $GPUS but torch sees no CUDA device on this machine; leave it out (or 0) to train on the CPU" >&2
+        exit 2
+    fi
+fi
 # shellcheck source=scripts/flower-env.sh
 source scripts/flower-env.sh
 export FLWR_HOME="${FLWR_HOME_SIM:-$ROOT/.flwr-home}"
@@ -62,7 +78,7 @@ LOG="$FLWR_HOME/$RUN_NAME.log"
 run_flower() {
     set +e
     "${TESSERA_FLWR:-flwr}" run . --stream \
-        --federation-config "num-supernodes=$NODES client-resources-num-cpus=1" \
+        --federation-config "num-supernodes=$NODES client-resources-num-cpus=1 client-resources-num-gpus=$GPUS" \
         --run-config "$RUN_CONFIG output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'" 2>&1 | tee "$LOG"
     set -e
 }

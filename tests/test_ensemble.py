@@ -292,3 +292,24 @@ def test_pso_leaves_logging_and_the_working_directory_alone(
     tune("pso", TUNING, VALIDATION, trials=10, seed=0)
     assert (list(root.handlers), root.level, os.environ.get("LOG_CFG")) == before
     assert list(tmp_path.iterdir()) == []
+
+
+def test_full_float32_turns_tf32_off_inside_and_restores_it() -> None:
+    import torch
+
+    from strategies.ensemble.artifact import full_float32
+
+    # Prepare: TF32 on for both, as cuDNN's default is for convolutions
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        # Execute / Assert: off inside, back on after, an exception included
+        with full_float32():
+            assert not torch.backends.cudnn.allow_tf32
+            assert not torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        with pytest.raises(RuntimeError), full_float32():
+            raise RuntimeError("boom")
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

@@ -49,6 +49,7 @@ with metrics.open("a") as fh:
 (run / "summary.json").write_text(json.dumps({{"rounds": target}}))
 (run / "checkpoint.npz").write_text("round " + str(target))
 (run / "ray-address").write_text(os.environ.get("RAY_ADDRESS", "<unset>"))
+(run / "argv").write_text(json.dumps(sys.argv[1:]))
 """
 
 
@@ -227,3 +228,28 @@ def test_stopping_the_local_superlink_ends_its_whole_tree_on_a_loaded_machine(
         for proc in load:
             proc.kill()
             proc.wait()
+
+
+def test_gpus_per_node_reaches_flower_and_is_checked(tmp_path: Path) -> None:
+    import torch
+
+    # Execute: the default, a malformed share, and a share on this machine
+    default = _run(tmp_path / "a", "ok", 1)
+    bad = [_run(tmp_path / "b", "ok", 1, "--gpus-per-node", v) for v in ("abc", "1.2.3", "-1")]
+    share = _run(tmp_path / "c", "ok", 1, "--gpus-per-node", "0.25")
+
+    # Assert: no GPU is reserved by default; a malformed share is refused by value;
+    # a share reaches Flower's federation config where torch sees a GPU, and is refused
+    # with the reason where it sees none (Ray would never schedule the ClientApps)
+    assert default.returncode == 0, default.stderr
+    argv = json.loads((tmp_path / "a" / "results" / "e2e" / "argv").read_text())
+    assert "client-resources-num-gpus=0" in argv[argv.index("--federation-config") + 1]
+    for proc, value in zip(bad, ("abc", "1.2.3", "-1"), strict=True):
+        assert proc.returncode == 2 and f"got '{value}'" in proc.stderr, proc.stderr
+    if torch.cuda.device_count() > 0:
+        assert share.returncode == 0, share.stderr
+        argv = json.loads((tmp_path / "c" / "results" / "e2e" / "argv").read_text())
+        assert "client-resources-num-gpus=0.25" in argv[argv.index("--federation-config") + 1]
+    else:
+        assert share.returncode == 2
+        assert "--gpus-per-node 0.25 but torch sees no CUDA device" in share.stderr
