@@ -329,6 +329,17 @@ def test_the_server_image_carries_the_ensemble_optimisers(images: None) -> None:
     assert client.stdout.strip() == "[]"
 
 
+def test_the_images_benchmark_measures_the_built_images(images: None) -> None:
+    # benchmarks/images.py, once: each image's size, start and role's imports, and
+    # the server image's figures as ratios of the client image's
+    proc = _run([sys.executable, "benchmarks/images.py", "--repeats", "1"], timeout=600)
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if "|" in line}
+    for image in ("`tessera/app-cpu`", "`tessera/app-server`", "`tessera/flower`"):
+        size, start, loaded = (float(v) for v in rows[image].split("|")[2:5])
+        assert size > 100 and 0 < start <= loaded, rows[image]
+    assert float(rows["size"].split("|")[4]) > 1.0  # the server image adds a layer
+
+
 def test_results_belong_to_the_configured_user(cluster: Cluster) -> None:
     out = cluster.results / "e2e"
     assert {p.name for p in out.iterdir()} >= {"config.json", "metrics.jsonl", "summary.json"}
