@@ -352,7 +352,9 @@ def run_clientapp_process(**kwargs: object) -> None:
     run_clientapp(**kwargs)  # type: ignore[arg-type]
 
 
-def launch_clientapp(ctx: ForkServerContext, config: ExecutorConfig, token: str) -> BaseProcess:
+def launch_clientapp(
+    ctx: ForkServerContext, config: ExecutorConfig, token: str, certificates: bytes | None
+) -> BaseProcess:
     """Start Flower's ``run_clientapp`` for one task in a process forked from the server.
 
     Parameters
@@ -363,15 +365,15 @@ def launch_clientapp(ctx: ForkServerContext, config: ExecutorConfig, token: str)
         Where the ClientAppIo API is and how to reach it.
     token : str
         The task's token, granted by ``ClaimTask``.
+    certificates : bytes or None
+        The PEM CA bundle of ``config.root_certificates``, read once by the executor
+        (``None`` with ``insecure``).
 
     Returns
     -------
     BaseProcess
         The started process; it exits once it has pushed its reply.
     """
-    certificates = (
-        None if config.root_certificates is None else config.root_certificates.read_bytes()
-    )
     proc = ctx.Process(
         target=run_clientapp_process,
         kwargs={
@@ -513,7 +515,7 @@ class Executor:
                     self._stop.wait(1.0)
                     continue
                 if claim.token:
-                    proc = launch_clientapp(ctx, config, claim.token)
+                    proc = launch_clientapp(ctx, config, claim.token, certificates)
                     LOG.info("task %s: ClientApp process %s", tasks[0].task_id, proc.pid)
                     self.children.append(proc)
         finally:

@@ -365,6 +365,9 @@ def test_transmitted_kbar_keeps_cka_above_099_and_cuts_bytes(
         assert 1 <= record["kbar_rank"] <= 144
         assert record["kbar_bytes"] == 144 * record["kbar_rank"] * 2
         assert record["kernel_bytes_sent"] < record["kernel_bytes_naive"]
+        # the representations were folded as they arrived (3 of 144 x width float16),
+        # so the server held at most the 144 x 144 float64 kernel, not them
+        assert 0 < record["kbar_fold_peak_bytes"] <= 144 * 144 * 8
     assert fed.server.rounds[1]["kernel_bytes_naive"] == 2 * 4 * 144 * 144
 
 
@@ -583,8 +586,16 @@ def test_average_linear_kernel_factor_equals_the_weighted_normalised_kernels() -
     for w, a in zip(np.array(weights) / 4.0, reps, strict=True):
         k = h @ a @ a.T @ h
         expected += w * k / np.linalg.norm(k)
-    assert exact.z is not None
-    np.testing.assert_allclose(exact.z @ exact.z.T, expected, atol=1e-12)
+    # 3 + 7 + 12 = 22 columns >= 20 rows: K_bar comes as the matrix, not the factor
+    assert exact.z is None and exact.matrix is not None
+    np.testing.assert_allclose(exact.matrix, expected, atol=1e-12)
+    narrow = average_kernel(reps[:2], weights[:2], kernel="linear")  # 10 columns < 20
+    assert narrow.z is not None
+    h_expected = sum(
+        w * (h @ a @ a.T @ h) / np.linalg.norm(h @ a @ a.T @ h)
+        for w, a in zip(np.array(weights[:2]) / 3.0, reps[:2], strict=True)
+    )
+    np.testing.assert_allclose(narrow.z @ narrow.z.T, h_expected, atol=1e-12)
 
 
 @pytest.mark.parametrize("kernel", ["linear", "rbf"])
@@ -688,3 +699,80 @@ def test_heterogeneous_through_deploy_local(tmp_path: Path) -> None:
     assert second["cka_mean"] is not None
     # personal models persisted in the SuperNodes: no weights travelled either way
     assert all(c["bytes_up"] < 64 * 1024 for c in second["clients"])
+
+
+def _hand_kbar(reps: list[np.ndarray], weights: list[float], kernel: str) -> np.ndarray:
+    """sum_j w_j K_j / ||K_j||_F / sum_j w_j, each K_j centred, built the long way."""
+    n = reps[0].shape[0]
+    h = np.eye(n) - 1.0 / n
+    total = np.zeros((n, n))
+    for w, a in zip(weights, reps, strict=True):
+        if kernel == "linear":
+            k = h @ a @ a.T @ h
+        else:
+            from strategies.fedhenn.cka import rbf_kernel
+
+            k = h @ rbf_kernel(torch.from_numpy(a / np.abs(a).max())).numpy() @ h
+        total += w * k / np.linalg.norm(k)
+    return total / sum(weights)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dims"),
+    [
+        ("linear", (3, 5, 4)),  # 12 columns < 16 rows: the factor form throughout
+        ("linear", (6, 7, 9, 5, 8)),  # 13 then 22 >= 16: switches to the matrix at the 3rd
+        ("rbf", (3, 5, 4)),
+    ],
+)
+def test_the_folded_kbar_equals_the_buffered_one(kernel: str, dims: tuple[int, ...]) -> None:
+    from strategies.fedhenn.kbar import KernelAccumulator
+
+    # Prepare: 16 RAD rows, representations of several widths, weights of any scale
+    rng = np.random.default_rng(5)
+    reps = [rng.normal(size=(16, d)) for d in dims]
+    weights = [float(w) for w in rng.integers(1, 50, size=len(dims))]
+
+    # Execute: folded one at a time, as replies arrive
+    acc = KernelAccumulator(kernel)
+    held = []
+    for rep, w in zip(reps, weights, strict=True):
+        acc.add(rep, w)
+        held.append(acc.nbytes)
+    exact = acc.result()
+
+    # Assert: the kernel the buffered formula gives, to 1e-12 (float64 rounding), and
+    # what is held never exceeds the 16 x 16 matrix or the factor narrower than it
+    got = exact.z @ exact.z.T if exact.z is not None else exact.matrix
+    np.testing.assert_allclose(got, _hand_kbar(reps, weights, kernel), atol=1e-12)
+    assert max(held) <= 16 * max(16, 16 + max(dims)) * 8
+    if kernel == "linear" and sum(dims) >= 16:
+        assert exact.z is None and held[-1] == 16 * 16 * 8  # the matrix, however many more
+    # the same weights scaled by 1000 give the same K_bar
+    scaled = KernelAccumulator(kernel)
+    for rep, w in zip(reps, weights, strict=True):
+        scaled.add(rep, 1000.0 * w)
+    again = scaled.result()
+    np.testing.assert_allclose(
+        again.z @ again.z.T if again.z is not None else again.matrix, got, atol=1e-12
+    )
+
+
+def test_the_kbar_fold_refuses_bad_input_and_keeps_nothing_of_it() -> None:
+    from strategies.fedhenn.kbar import KernelAccumulator, KernelAverageError
+
+    acc = KernelAccumulator("rbf")
+    with pytest.raises(KernelAverageError, match="at least one of positive weight"):
+        acc.result()
+    with pytest.raises(KernelAverageError, match="zero norm after centring"):
+        acc.add(np.ones((8, 3)), 1.0)
+    assert acc.nbytes == 0 and acc.count == 0
+    acc.add(np.random.default_rng(0).normal(size=(8, 3)), 1.0)
+    with pytest.raises(KernelAverageError, match=r"shape \(7, 3\) after 8 rows"):
+        acc.add(np.zeros((7, 3)), 1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(KernelAverageError, match="must be finite and non-negative"):
+            acc.add(np.random.default_rng(1).normal(size=(8, 3)), bad)
+    assert acc.count == 1
+    with pytest.raises(KernelAverageError, match="unknown kernel 'cosine'"):
+        KernelAccumulator("cosine")

@@ -40,6 +40,7 @@ __all__ = [
     "EIGH_MAX_ROWS",
     "ExactKernel",
     "FactoredKernel",
+    "KernelAccumulator",
     "average_kernel",
     "factorise",
     "normalise_weights",
@@ -152,6 +153,117 @@ def _unit_kernel(rep: np.ndarray, kernel: str) -> np.ndarray:
     return np.asarray(k / norm)
 
 
+def _linear_part(rep: np.ndarray, weight: float) -> np.ndarray:
+    """Return ``A_c sqrt(weight / ||A_c A_c^T||_F)``, whose outer product is the weighted kernel."""
+    a = _unit_scale(rep)
+    a = a - a.mean(axis=0, keepdims=True)
+    norm = float(np.linalg.norm(a.T @ a))  # = ||A_c A_c^T||_F
+    if norm <= 0:
+        raise KernelAverageError("a representation is constant (zero norm after centring)")
+    part: np.ndarray = a * math.sqrt(weight / norm)
+    return part
+
+
+class KernelAccumulator:
+    """Fold the clients' representations into ``K_bar``'s weighted mean as they arrive.
+
+    ``K_bar = sum_j w_j K_j / ||K_j||_F / sum_j w_j``, the ``merge="mean"`` of
+    :func:`average_kernel`, without keeping the representations: the server adds each
+    reply's and drops it. What it holds is bounded by the RAD, not the node count:
+
+    - linear kernel: the weighted centred representations side by side as the factor
+      ``Z`` (``K = Z Z^T``), until ``Z`` is as wide as the RAD has rows ``n``; from
+      then on the ``n x n`` matrix ``Z Z^T``, to which each later part adds its outer
+      product. At most ``n x max(n, D)`` float64, ``D`` the widest representation;
+    - RBF kernel: the ``n x n`` sum of the weighted unit kernels.
+
+    The weights may be of any positive scale: the sum is divided by their total at
+    the end, so the result equals :func:`average_kernel`'s (to float64 rounding).
+
+    Parameters
+    ----------
+    kernel : str
+        ``"linear"`` or ``"rbf"``.
+
+    Raises
+    ------
+    KernelAverageError
+        If ``kernel`` is unknown.
+    """
+
+    def __init__(self, kernel: str) -> None:
+        if kernel not in ("linear", "rbf"):
+            raise KernelAverageError(f"unknown kernel '{kernel}'; use 'linear' or 'rbf'")
+        self.kernel = kernel
+        self.parts: list[np.ndarray] = []
+        self.width = 0
+        self.matrix: np.ndarray | None = None
+        self.rows: int | None = None
+        self.total_weight = 0.0
+        self.count = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the accumulator holds now."""
+        held = sum(p.nbytes for p in self.parts)
+        return held + (0 if self.matrix is None else int(self.matrix.nbytes))
+
+    def add(self, rep: np.ndarray, weight: float) -> None:
+        """Add one client's ``n x d`` representation at ``weight`` (finite, >= 0).
+
+        Raises
+        ------
+        KernelAverageError
+            If the weight is negative or not finite, the representation is not a
+            matrix of the rows the earlier ones had, or it is constant.
+        """
+        if not math.isfinite(weight) or weight < 0:
+            raise KernelAverageError(f"kernel weight {weight} must be finite and non-negative")
+        if rep.ndim != 2 or (self.rows is not None and rep.shape[0] != self.rows):
+            raise KernelAverageError(
+                "every representation must be an n x d matrix of the same n samples, got "
+                f"shape {tuple(rep.shape)} after {self.rows} rows"
+            )
+        n = int(rep.shape[0])
+        if self.kernel == "rbf":
+            unit = _unit_kernel(rep, "rbf")  # raises before anything is kept
+            if self.matrix is None:
+                self.matrix = np.zeros((n, n), dtype=np.float64)
+            self.matrix += weight * unit
+        else:
+            part = _linear_part(rep, weight)
+            if self.matrix is not None:
+                self.matrix += part @ part.T
+            else:
+                self.parts.append(part)
+                self.width += int(part.shape[1])
+                if self.width >= n:  # the factor is now no smaller than the matrix
+                    z = np.concatenate(self.parts, axis=1)
+                    self.matrix = z @ z.T
+                    self.parts = []
+        self.rows = n
+        self.total_weight += weight
+        self.count += 1
+
+    def result(self) -> ExactKernel:
+        """Return the centred ``K_bar`` of everything added.
+
+        Raises
+        ------
+        KernelAverageError
+            If nothing was added or the weights sum to 0.
+        """
+        if self.count == 0 or self.total_weight <= 0:
+            raise KernelAverageError(
+                f"{self.count} representation(s) of total weight {self.total_weight}; "
+                "K_bar needs at least one of positive weight"
+            )
+        if self.matrix is not None:
+            return ExactKernel(self.kernel, matrix=self.matrix / self.total_weight)
+        z = np.concatenate(self.parts, axis=1) / math.sqrt(self.total_weight)
+        return ExactKernel(self.kernel, z=z)
+
+
 def average_kernel(
     representations: Sequence[np.ndarray],
     weights: Sequence[float],
@@ -217,20 +329,10 @@ def average_kernel(
         else:
             matrix = np.median(stack, axis=0)
         return ExactKernel(kernel, matrix=np.asarray(matrix))
-    if kernel == "linear":
-        parts = []
-        for weight, rep in zip(w, representations, strict=True):
-            a = _unit_scale(rep)
-            a = a - a.mean(axis=0, keepdims=True)
-            norm = float(np.linalg.norm(a.T @ a))  # = ||A_c A_c^T||_F
-            if norm <= 0:
-                raise KernelAverageError("a representation is constant (zero norm after centring)")
-            parts.append(a * np.sqrt(weight / norm))
-        return ExactKernel(kernel, z=np.concatenate(parts, axis=1))
-    total = np.zeros((rows.pop(),) * 2, dtype=np.float64)
+    accumulator = KernelAccumulator(kernel)
     for weight, rep in zip(w, representations, strict=True):
-        total += weight * _unit_kernel(rep, kernel)
-    return ExactKernel(kernel, matrix=total)
+        accumulator.add(rep, float(weight))
+    return accumulator.result()
 
 
 def _top_eigen(exact: ExactKernel) -> tuple[np.ndarray, np.ndarray, float]:
@@ -242,7 +344,7 @@ def _top_eigen(exact: ExactKernel) -> tuple[np.ndarray, np.ndarray, float]:
     assert exact.matrix is not None
     k = exact.matrix
     total = float(np.sum(k * k))
-    if k.shape[0] <= EIGH_MAX_ROWS:
+    if k.shape[0] <= EIGH_MAX_ROWS or exact.kernel == "linear":  # linear: exact, as z's SVD
         eig, vec = np.linalg.eigh(k)
         eig, vec = eig[::-1], vec[:, ::-1]
     else:

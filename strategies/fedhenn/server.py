@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,12 @@ from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.groups import NonFiniteStateError
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
-from strategies.fedhenn.kbar import FactoredKernel, average_kernel, factorise
+from strategies.fedhenn.kbar import (
+    FactoredKernel,
+    KernelAccumulator,
+    average_kernel,
+    factorise,
+)
 from strategies.fedhenn.options import HETEROGENEOUS, HOMOGENEOUS, FedHeNNOptions
 from strategies.fedhenn.payload import (
     ALIGN,
@@ -131,6 +136,25 @@ class FedHeNNHomogeneousStrategy(FedAvgStrategy[FedHeNNOptions]):
         return {**super().describe(), **self.options.describe(), "rad_rows": self.rad.rows}
 
 
+@dataclass
+class KernelRound:
+    """What a round folds of the probe representations (``knowledge-merge=mean``).
+
+    Attributes
+    ----------
+    accumulator : KernelAccumulator
+        ``K_bar``'s weighted sum so far.
+    rep_bytes : list[int]
+        Each folded representation's size, for the round record.
+    peak_bytes : int
+        The most the accumulator held during the round.
+    """
+
+    accumulator: KernelAccumulator
+    rep_bytes: list[int] = field(default_factory=list)
+    peak_bytes: int = 0
+
+
 @dataclass(frozen=True)
 class AlignmentTarget:
     """A ``K_bar`` ready to ship: the RAD it was built on and its factor."""
@@ -229,14 +253,38 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy[FedHeNNOptions]):
 
         return ReplySchema(arrays=None, extra=extra)
 
-    def _weights(self, replies: Sequence[ClientReply]) -> list[float]:
+    def _weight(self, reply: ClientReply) -> float:
+        """Return what a reply's kernel weighs in ``K_bar`` (run-config ``kbar-weights``)."""
         if self.options.kbar_weights == "data":
-            return [r.weight for r in replies]
+            return reply.weight
         if self.options.kbar_weights == "capacity":
-            for r in replies:
-                self._feature_dim(r.arch)
-            return [float(self._capacities[r.arch]) for r in replies]
-        return [1.0] * len(replies)
+            self._feature_dim(reply.arch)
+            return float(self._capacities[reply.arch])
+        return 1.0
+
+    def _weights(self, replies: Sequence[ClientReply]) -> list[float]:
+        return [self._weight(r) for r in replies]
+
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Fold a probe representation into ``K_bar``'s sum as it arrives, and drop it.
+
+        Only the ``mean`` merge streams: ``median`` and ``trimmed-mean`` rank every
+        client's kernel entry by entry, so they keep the representations until the
+        round ends.
+        """
+        if not self._probes(ctx.server_round) or (
+            self.env.run.aggregation.knowledge_merge != "mean"
+        ):
+            return reply
+        kernels = ctx.state(
+            KernelRound, lambda: KernelRound(KernelAccumulator(self.options.kernel))
+        )
+        rep = reply.content.array_records[REP]["rep"].numpy()
+        kernels.accumulator.add(rep, self._weight(reply))
+        kernels.rep_bytes.append(int(rep.nbytes))
+        kernels.peak_bytes = max(kernels.peak_bytes, kernels.accumulator.nbytes)
+        content = RecordDict({k: v for k, v in reply.content.items() if k != REP})
+        return replace(reply, content=content)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Average the probe representations' kernels into the next round's ``K_bar``."""
@@ -251,8 +299,14 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy[FedHeNNOptions]):
         out = alignment_metrics(replies, self.options.eta(server_round) if aligned else 0.0)
         n = self.rad.rows
         shipped = self.target.kernel.nbytes if aligned and self.target is not None else 0
-        reps = [r.content.array_records[REP]["rep"].numpy() for r in replies] if probed else []
-        rep_bytes = float(np.mean([rep.nbytes for rep in reps])) if reps else 0.0
+        folded = ctx.scheme_state.get(KernelRound)
+        reps = (
+            [r.content.array_records[REP]["rep"].numpy() for r in replies]
+            if probed and folded is None
+            else []
+        )
+        sizes = [rep.nbytes for rep in reps] if folded is None else folded.rep_bytes
+        rep_bytes = float(np.mean(sizes)) if sizes else 0.0
         # Per client and round: what n x n float32 kernels would weigh (K_i up when
         # probed, K_bar down when aligning) against what is shipped instead.
         out["kernel_bytes_naive"] = 4 * n * n * (int(probed) + int(aligned))
@@ -260,17 +314,21 @@ class FedHeNNHeterogeneousStrategy(HeteroStrategy[FedHeNNOptions]):
         out["kbar_bytes_down"] = shipped
         out["rep_bytes_up"] = rep_bytes
         out["rad_rows"] = n if probed or aligned else 0
-        if not reps:
+        if not reps and folded is None:
             return out
         started = time.perf_counter()
         run = self.env.run
-        exact = average_kernel(
-            reps,
-            self._weights(replies),
-            kernel=self.options.kernel,
-            merge=run.aggregation.knowledge_merge,
-            trim_fraction=run.aggregation.trim_fraction,
-        )
+        if isinstance(folded, KernelRound):  # streamed: the representations are gone
+            exact = folded.accumulator.result()
+            out["kbar_fold_peak_bytes"] = folded.peak_bytes
+        else:
+            exact = average_kernel(
+                reps,
+                self._weights(replies),
+                kernel=self.options.kernel,
+                merge=run.aggregation.knowledge_merge,
+                trim_fraction=run.aggregation.trim_fraction,
+            )
         factored = factorise(exact, energy=self.options.kbar_energy, dtype=self.options.precision)
         if not bool(np.all(np.isfinite(factored.factor))):
             raise NonFiniteStateError("the averaged kernel K_bar is not finite")
