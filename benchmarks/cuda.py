@@ -43,6 +43,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import simulate_command
+
 ROOT = Path(__file__).resolve().parents[1]
 TIGHT_BUDGET = 0.05
 """A second ``train-time-budget`` (seconds) the probe chooses under, where devices differ."""
@@ -204,20 +206,13 @@ def simulate(
     env = {**os.environ}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [
-        "bash",
-        "scripts/simulate.sh",
-        "--nodes",
-        str(nodes),
-        "--run-name",
-        name,
-        "--output-dir",
-        str(out),
-        "--gpus-per-node",
-        f"{gpus:g}",
-        "--run-config",
-        f"{run_config} sim-device-profiles=''",
-    ]
+    cmd = simulate_command(
+        nodes=nodes,
+        name=name,
+        out=out,
+        run_config=f"{run_config} sim-device-profiles=''",
+        extra=("--gpus-per-node", f"{gpus:g}"),
+    )
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.monotonic() - started

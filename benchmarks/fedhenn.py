@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import simulate_command
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = "cpu-small,cpu-medium,cpu-large,jetson-orin,gpu-server"
 GROUPS: dict[str, list[tuple[str, str]]] = {
@@ -60,18 +62,7 @@ RAD_ROWS_PAPER = 5000
 
 def run_once(run_config: str, *, nodes: int, out: Path, name: str) -> list[dict[str, Any]]:
     """Run one simulation (in its own FLWR_HOME) and return its round records."""
-    cmd = [
-        "bash",
-        "scripts/simulate.sh",
-        "--nodes",
-        str(nodes),
-        "--run-name",
-        name,
-        "--output-dir",
-        str(out),
-        "--run-config",
-        run_config,
-    ]
+    cmd = simulate_command(nodes=nodes, name=name, out=out, run_config=run_config)
     started = time.monotonic()
     env = {**os.environ, "FLWR_HOME_SIM": str(out / "flwr-home" / name)}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)

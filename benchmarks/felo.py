@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import mean_std
+from benchmarks.harness import mean_std, simulate_command
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -152,18 +152,7 @@ def run_config(run: Run, rounds: int) -> str:
 def simulate(run: Run, *, rounds: int, nodes: int, out: Path, home: Path) -> dict[str, Any]:
     """Run one simulation through scripts/simulate.sh and summarise its last round."""
     started = time.monotonic()
-    cmd = [
-        "bash",
-        "scripts/simulate.sh",
-        "--nodes",
-        str(nodes),
-        "--run-name",
-        run.name,
-        "--output-dir",
-        str(out),
-        "--run-config",
-        run_config(run, rounds),
-    ]
+    cmd = simulate_command(nodes=nodes, name=run.name, out=out, run_config=run_config(run, rounds))
     env = {**os.environ, "FLWR_HOME_SIM": str(home / run.name)}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     seconds = time.monotonic() - started

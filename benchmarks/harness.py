@@ -114,6 +114,31 @@ def fast_clients(bundle: Any) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def simulate_command(
+    *, nodes: int, name: str, out: Path, run_config: str, extra: Sequence[str] = ()
+) -> list[str]:
+    """Return the ``scripts/simulate.sh`` command of one benchmark federation.
+
+    Examples
+    --------
+    >>> simulate_command(nodes=3, name="a", out=Path("/r"), run_config="seed=1")[2:]
+    ['--nodes', '3', '--run-name', 'a', '--output-dir', '/r', '--run-config', 'seed=1']
+    """
+    return [
+        "bash",
+        str(ROOT / "scripts" / "simulate.sh"),
+        "--nodes",
+        str(nodes),
+        "--run-name",
+        name,
+        "--output-dir",
+        str(out),
+        *extra,
+        "--run-config",
+        run_config,
+    ]
+
+
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows already in a ``cells.jsonl`` (an unfinished last line is ignored)."""
     if not path.exists():

@@ -55,6 +55,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import simulate_command
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("fedavg", "flwr-fedavg")
 MODES = ("sim", "deploy", "deploy-process", "deploy-process-flower", "compose", "compose-flower")
@@ -180,18 +182,7 @@ def run_once(
         )
         return records
     if mode == "sim":
-        cmd = [
-            "bash",
-            "scripts/simulate.sh",
-            "--nodes",
-            str(nodes),
-            "--run-name",
-            name,
-            "--output-dir",
-            str(out),
-            "--run-config",
-            run_config,
-        ]
+        cmd = simulate_command(nodes=nodes, name=name, out=out, run_config=run_config)
     else:
         cmd = [
             "bash",

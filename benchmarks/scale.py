@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import sigterm_as_ctrl_c, stop_group
+from benchmarks.harness import sigterm_as_ctrl_c, simulate_command, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
@@ -133,18 +133,7 @@ def run_size(
             f"round-timeout={timeout} node-wait-timeout={timeout} "
             "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
         )
-        cmd = [
-            "bash",
-            str(ROOT / "scripts" / "simulate.sh"),
-            "--nodes",
-            str(nodes),
-            "--run-name",
-            name,
-            "--output-dir",
-            str(out),
-            "--run-config",
-            run_config,
-        ]
+        cmd = simulate_command(nodes=nodes, name=name, out=out, run_config=run_config)
         log.info("%d nodes: starting the simulation", nodes)
         start = time.monotonic()
         log_path = out / f"{name}.log"
