@@ -132,7 +132,9 @@ FEDAVG_AGGREGATORS = (
 """Aggregator labels of the weight schemes: ``<aggregator>[+<pre-aggregation>]``, or an
 ablation of the default ``mean`` (:data:`ABLATIONS`)."""
 FELO_MERGES = ("mean", "mean-unbounded", "median")
-SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only")
+ON_DEMAND = ("mean-trust-0.1",)
+"""Ablations run only when ``--aggregators`` names them (not in the default grid)."""
+SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only", *ON_DEMAND)
 KNOWLEDGE_SCHEMES = frozenset({"felo", "fedhe", "fedtgp"})
 """Schemes judged by the honest clients' own accuracy, whose label is a knowledge merge."""
 WEIGHTLESS_SCHEMES = frozenset({"fedhe", "fedtgp"})
@@ -140,7 +142,7 @@ WEIGHTLESS_SCHEMES = frozenset({"fedhe", "fedtgp"})
 weight-only keys (``clip-factor``, ``server-trust``), so their ``mean-unbounded``
 switches off the knowledge clip alone."""
 SCHEME_AGGREGATORS = {
-    "fedavg": FEDAVG_AGGREGATORS,
+    "fedavg": FEDAVG_AGGREGATORS + ON_DEMAND,
     "fedavg-groups": SUB_MODEL_AGGREGATORS,
     "heterofl": SUB_MODEL_AGGREGATORS,
     "flexifed": SUB_MODEL_AGGREGATORS,
@@ -151,9 +153,11 @@ SCHEME_AGGREGATORS = {
 ABLATIONS: dict[str, dict[str, Any]] = {
     "mean-bound-only": {"server-trust": False},
     "mean-clip3": {"server-trust": False, "clip-factor": 3.0},
+    "mean-trust-0.1": {"trust-threshold": -0.1},
 }
 """The default ``mean`` without parts of it: the size bound alone (no direction check),
-and the previous default (``clip-factor=3``, no direction check)."""
+the previous default (``clip-factor=3``, no direction check), and the direction check
+dropping only updates of cosine <= -0.1 (``trust-threshold=-0.1``; the default is 0)."""
 GLOBAL_METRIC = {scheme: scheme not in KNOWLEDGE_SCHEMES for scheme in SCHEMES}
 """Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {
@@ -901,7 +905,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ("schemes", SCHEMES),
         ("partitioners", PARTITIONERS),
         ("attacks", ALL_ATTACKS),
-        ("aggregators", FEDAVG_AGGREGATORS + FELO_MERGES),
+        ("aggregators", FEDAVG_AGGREGATORS + FELO_MERGES + ON_DEMAND),
     ):
         unknown = set(_list(getattr(args, flag))) - set(allowed)
         if unknown:
