@@ -120,6 +120,14 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
     resolved = resolve_run(run_config)
     run, scheme, options = resolved.run, resolved.scheme, resolved.options
     family = run.scheme.model_family or scheme.family(options)
+    values = run.to_dict()
+    owned = [f"{k}={v}" for k, v in scheme.config_defaults.items() if values.get(k) == v]
+    if owned:
+        log.info(
+            "Tessera: %s's own defaults: %s (a run that sets the key keeps its value)",
+            scheme.name,
+            ", ".join(owned),
+        )
     try:
         list_models(family)
     except ValueError as err:

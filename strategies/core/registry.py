@@ -11,7 +11,7 @@ ClientApp read a run config: both see the same resolved values.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from flwr.serverapp import Grid
@@ -96,6 +96,12 @@ class Scheme(Generic[OptionsT]):
         whole model they receive and send it back (weight sharing). A scheme whose
         nodes keep a personal model of their own already, or share a part of it,
         refuses any mode but ``none``.
+    config_defaults : Mapping[str, float | bool | str]
+        Run-config keys whose default the scheme owns: each replaces the value
+        declared in ``pyproject.toml`` when the run leaves the key at that declared
+        value (:func:`apply_config_defaults`). Felo's weight bound, for one, is
+        ``clip-factor=2``: measured, the common 1 costs its personalised accuracy on
+        skewed data (``docs/pages/robustness.md``).
     """
 
     name: str
@@ -109,6 +115,7 @@ class Scheme(Generic[OptionsT]):
     validate: Callable[[RunConfig, OptionsT], None] | None = None
     server_classes: tuple[type, ...] = ()
     personalise: bool = False
+    config_defaults: Mapping[str, float | bool | str] = field(default_factory=dict)
 
     def family(self, options: OptionsT) -> str:
         """Return the architecture family when run-config ``model-family`` is empty."""
@@ -159,8 +166,10 @@ def register_scheme(scheme: Scheme[OptionsT]) -> Scheme[OptionsT]:
 def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
     """Read a run config as its scheme reads it: common keys, scheme, options, checks.
 
-    An empty ``norm`` becomes the scheme's own (:attr:`Scheme.norm`), and the
-    scheme's :attr:`~Scheme.validate` hook runs. The ServerApp and every ClientApp
+    An empty ``norm`` becomes the scheme's own (:attr:`Scheme.norm`), a key left at
+    its declared default takes the scheme's own where it has one
+    (:attr:`Scheme.config_defaults`), and the scheme's :attr:`~Scheme.validate` hook
+    runs. The ServerApp and every ClientApp
     call this, so both sides see the same values.
 
     Raises
@@ -173,6 +182,7 @@ def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
     """
     strategy = RunConfig.strategy_of(run_config)
     scheme: Scheme[Any] = get_scheme(strategy)
+    run_config = apply_config_defaults(scheme, run_config)
     run = RunConfig.from_flower(run_config, default_norm=scheme.norm)
     options = scheme.parse_options(run_config)
     check_personalise(scheme, run, options)
@@ -180,6 +190,41 @@ def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
     if scheme.validate is not None:
         scheme.validate(run, options)
     return ResolvedRun(run, scheme, options)
+
+
+def apply_config_defaults(
+    scheme: Scheme[OptionsT], run_config: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """Return ``run_config`` with the scheme's own defaults where the run left the declared ones.
+
+    Flower sends the whole ``[tool.flwr.app.config]`` table, overrides applied, so a
+    key whose value equals the declared default was not set by the run (or was set
+    to that value, which reads the same); such a key of
+    :attr:`Scheme.config_defaults` takes the scheme's value. A key set to anything
+    else keeps it. Where the declared table cannot be read (an app without its
+    ``pyproject.toml``), nothing can be told apart and the values stand.
+
+    Examples
+    --------
+    >>> from tessera.config.declared import declared_defaults
+    >>> felo = get_scheme("felo")
+    >>> declared_defaults()["clip-factor"], dict(felo.config_defaults)
+    (1.0, {'clip-factor': 2.0})
+    >>> apply_config_defaults(felo, {"strategy": "felo", "clip-factor": 1.0})["clip-factor"]
+    2.0
+    >>> apply_config_defaults(felo, {"strategy": "felo", "clip-factor": 3.0})["clip-factor"]
+    3.0
+    """
+    if not scheme.config_defaults:
+        return run_config
+    from tessera.config.declared import changed_keys, declared_defaults
+
+    if declared_defaults() is None:
+        return run_config
+    keys = [key for key in scheme.config_defaults if key in run_config]
+    changed = set(changed_keys(run_config, keys))
+    own = {key: scheme.config_defaults[key] for key in keys if key not in changed}
+    return {**run_config, **own} if own else run_config
 
 
 WEIGHT_ONLY_KEYS = (
@@ -205,8 +250,9 @@ def check_weight_keys(scheme: Scheme[OptionsT], run: RunConfig, options: Options
     FedHe, FedProto, FedTGP, FedGH, ``local`` (and Felo without weight sharing,
     FedHeNN across architectures) merge no weights, so :data:`WEIGHT_ONLY_KEYS` would
     be ignored; a value other than the declared default
-    (:func:`~tessera.config.declared.changed_keys`) is refused, naming the keys that
-    bound what these schemes do exchange.
+    (:func:`~tessera.config.declared.changed_keys`), or the scheme's own
+    (:attr:`Scheme.config_defaults`), is refused, naming the keys that bound what
+    these schemes do exchange.
 
     Raises
     ------
@@ -217,7 +263,12 @@ def check_weight_keys(scheme: Scheme[OptionsT], run: RunConfig, options: Options
 
     if scheme.client(run=run, options=options).sends_weights:
         return
-    changed = changed_keys(run.to_dict(), WEIGHT_ONLY_KEYS)
+    values = run.to_dict()
+    changed = [
+        key
+        for key in changed_keys(values, WEIGHT_ONLY_KEYS)
+        if key not in scheme.config_defaults or values[key] != scheme.config_defaults[key]
+    ]
     if changed:
         raise ConfigError(
             f"run-config {', '.join(repr(k) for k in changed)} set, but '{scheme.name}' "
