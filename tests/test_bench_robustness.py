@@ -255,3 +255,23 @@ def test_every_scheme_and_label_gives_a_run_config_the_scheme_accepts(
             assert resolved.scheme.name == scheme
             if label == "mean-unbounded":
                 assert config["knowledge-clip-factor"] == 0.0
+
+
+def test_felo_s_default_and_its_common_ablation_differ_only_in_the_weight_bound(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    # Prepare
+    from strategies import resolve_run
+
+    def resolved(label: str) -> Any:
+        cell = bench.Cell("felo", "dirichlet", 0, bench.CLEAN, 0.0, label)
+        config = bench.cell_run_config(cell, nodes=5, rounds=2, local_epochs=1, output_dir=tmp_path)
+        return resolve_run(config).run.aggregation
+
+    # Execute
+    default, common = resolved("mean"), resolved("mean-common")
+
+    # Assert: felo's own clip-factor 2 by default, the declared 1 without it
+    assert (default.clip_factor, common.clip_factor) == (2.0, 1.0)
+    assert default.server_trust and common.server_trust
+    assert default.knowledge_clip_factor == common.knowledge_clip_factor == 3.0

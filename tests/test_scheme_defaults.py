@@ -97,3 +97,20 @@ def test_a_scheme_s_own_default_does_not_trip_the_weight_key_check(
     assert run.aggregation.clip_factor == 2.0
     with pytest.raises(ConfigError, match="clip-factor"):
         resolve_run({**felo, "clip-factor": 3.0})
+
+
+@pytest.mark.parametrize("off", [False, "false"])
+def test_scheme_defaults_false_keeps_every_declared_value(
+    default_run_config: dict[str, Any], off: bool | str
+) -> None:
+    # Prepare
+    from strategies.core.registry import resolve_run
+
+    felo = {**default_run_config, "strategy": "felo", "scheme-defaults": off}
+
+    # Execute
+    run = resolve_run(felo).run
+
+    # Assert: the declared clip-factor 1, not felo's 2
+    assert run.aggregation.clip_factor == 1.0
+    assert run.scheme.scheme_defaults is False

@@ -201,8 +201,10 @@ def apply_config_defaults(
     key whose value equals the declared default was not set by the run (or was set
     to that value, which reads the same); such a key of
     :attr:`Scheme.config_defaults` takes the scheme's value. A key set to anything
-    else keeps it. Where the declared table cannot be read (an app without its
-    ``pyproject.toml``), nothing can be told apart and the values stand.
+    else keeps it. Run-config ``scheme-defaults=false`` keeps every value as given
+    (a run that wants the declared value itself). Where the declared table cannot be
+    read (an app without its ``pyproject.toml``), nothing can be told apart and the
+    values stand.
 
     Examples
     --------
@@ -214,10 +216,19 @@ def apply_config_defaults(
     2.0
     >>> apply_config_defaults(felo, {"strategy": "felo", "clip-factor": 3.0})["clip-factor"]
     3.0
+    >>> given = {"strategy": "felo", "clip-factor": 1.0, "scheme-defaults": False}
+    >>> apply_config_defaults(felo, given)["clip-factor"]
+    1.0
     """
+    from tessera.config.declared import changed_keys, declared_defaults
+    from tessera.config.reader import ConfigReader
+
     if not scheme.config_defaults:
         return run_config
-    from tessera.config.declared import changed_keys, declared_defaults
+    if "scheme-defaults" in run_config and not ConfigReader(run_config, "run-config").get(
+        "scheme-defaults", bool
+    ):
+        return run_config
 
     if declared_defaults() is None:
         return run_config

@@ -75,6 +75,9 @@ class SchemeConfig(Group):
         Normalisation layers; an empty key means the scheme's own default.
     flat_input : FlatInput
         How convolutional models read flat samples.
+    scheme_defaults : bool
+        Whether keys left at their declared value take the scheme's own default
+        (:attr:`strategies.core.registry.Scheme.config_defaults`).
     """
 
     strategy: str
@@ -82,6 +85,7 @@ class SchemeConfig(Group):
     model_family: str | None
     norm: str
     flat_input: FlatInput
+    scheme_defaults: bool = True
 
     @classmethod
     def read(cls, r: ConfigReader, *, default_norm: str) -> SchemeConfig:
@@ -92,6 +96,7 @@ class SchemeConfig(Group):
             model_family=r.optional_str("model-family"),
             norm=r.get("norm", str).strip() or default_norm,
             flat_input=cast("FlatInput", r.get("flat-input", str).strip().lower()),
+            scheme_defaults=r.get("scheme-defaults", bool),
         )
 
     def validate(self) -> None:
