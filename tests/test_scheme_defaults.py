@@ -114,3 +114,20 @@ def test_scheme_defaults_false_keeps_every_declared_value(
     # Assert: the declared clip-factor 1, not felo's 2
     assert run.aggregation.clip_factor == 1.0
     assert run.scheme.scheme_defaults is False
+
+
+def test_flexifed_owns_a_negative_trust_threshold(default_run_config: dict[str, Any]) -> None:
+    # Prepare
+    from strategies.core.registry import resolve_run
+
+    flexifed = {**default_run_config, "strategy": "flexifed"}
+
+    # Execute
+    own = resolve_run(flexifed).run.aggregation
+    common = resolve_run({**flexifed, "scheme-defaults": False}).run.aggregation
+    heterofl = resolve_run({**default_run_config, "strategy": "heterofl"}).run.aggregation
+
+    # Assert
+    assert (own.trust_threshold, common.trust_threshold) == (-0.1, 0.0)
+    assert heterofl.trust_threshold == 0.0
+    assert own.clip_factor == common.clip_factor == 1.0

@@ -99,9 +99,10 @@ class Scheme(Generic[OptionsT]):
     config_defaults : Mapping[str, float | bool | str]
         Run-config keys whose default the scheme owns: each replaces the value
         declared in ``pyproject.toml`` when the run leaves the key at that declared
-        value (:func:`apply_config_defaults`). Felo's weight bound, for one, is
-        ``clip-factor=2``: measured, the common 1 costs its personalised accuracy on
-        skewed data (``docs/pages/robustness.md``).
+        value (:func:`apply_config_defaults`). Felo's weight bound is
+        ``clip-factor=2`` and FlexiFed's direction check ``trust-threshold=-0.1``:
+        measured, the common values cost their clean accuracy on skewed data
+        (``docs/pages/robustness.md``).
     """
 
     name: str

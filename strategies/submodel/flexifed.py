@@ -291,5 +291,9 @@ SCHEME = register_scheme(
         validate=validate_submodel,
         description="FlexiFed: depth slices, common prefix shared, the rest per cluster or node",
         personalise=True,
+        # the direction check drops only updates clearly against the server's own:
+        # under Dirichlet(0.5) the honest full-depth updates sit at cosines of -0.1 to
+        # 0 with it, and the common threshold 0 dropped them (robustness page)
+        config_defaults={"trust-threshold": -0.1},
     )
 )
