@@ -74,16 +74,23 @@ def render(run_config: Mapping[str, Any]) -> str:
         "are what an empty run-config `model-family` and `norm` mean for the scheme; *keys*",
         "are the run-config keys its options read, with the defaults of `pyproject.toml`.",
         "Every other key is common to all schemes ([run configuration](configuration.md)).",
+        "*Owns* lists the common keys whose default the scheme replaces with its own (used",
+        "while the run leaves the key at its declared value and `scheme-defaults` is true).",
         "",
-        "| scheme | what it does | family | norm | its keys (default) |",
-        "| --- | --- | --- | --- | --- |",
+        "| scheme | what it does | family | norm | owns (its default) | its keys (default) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, keys in scheme_keys(run_config).items():
         scheme = get_scheme(name)
         shown = ", ".join(f"`{k}` ({_value(run_config.get(k))})" for k in keys) or "none"
         description = " ".join(scheme.description.split()).replace("|", "\\|")
+        owns = (
+            ", ".join(f"`{k}` ({_value(v)})" for k, v in sorted(scheme.config_defaults.items()))
+            or "none"
+        )
         lines.append(
-            f"| `{name}` | {description} | `{scheme.default_family}` | `{scheme.norm}` | {shown} |"
+            f"| `{name}` | {description} | `{scheme.default_family}` | `{scheme.norm}` "
+            f"| {owns} | {shown} |"
         )
     return "\n".join(lines) + "\n"
 
