@@ -275,3 +275,26 @@ def test_felo_s_default_and_its_common_ablation_differ_only_in_the_weight_bound(
     assert (default.clip_factor, common.clip_factor) == (2.0, 1.0)
     assert default.server_trust and common.server_trust
     assert default.knowledge_clip_factor == common.knowledge_clip_factor == 3.0
+
+
+def test_a_report_runs_nothing_not_even_the_cost_part(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: one finished cell, and a cost part that must not run
+    row = json.loads(
+        (ROOT / "results/bench-robustness/felo-n5/cells.jsonl").read_text().splitlines()[0]
+    )
+    (tmp_path / "cells.jsonl").write_text(json.dumps(row) + "\n")
+
+    def no_cost(**_: Any) -> None:
+        raise AssertionError("--report-only ran the cost part")
+
+    monkeypatch.setattr(bench, "cost_rows", no_cost)
+
+    # Execute: the default --parts (accuracy,cost)
+    code = bench.main(["--report-only", "--out", str(tmp_path)])
+
+    # Assert
+    assert code == 0
+    assert not (tmp_path / "cost.json").exists()
+    assert "`felo`" in (tmp_path / "tables.md").read_text()
