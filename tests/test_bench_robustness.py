@@ -7,6 +7,7 @@ grid, the cost part real aggregators on small updates.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -291,8 +292,13 @@ def test_a_report_runs_nothing_not_even_the_cost_part(
 
     monkeypatch.setattr(bench, "cost_rows", no_cost)
 
-    # Execute: the default --parts (accuracy,cost)
-    code = bench.main(["--report-only", "--out", str(tmp_path)])
+    # Execute: the default --parts (accuracy,cost); main sets Flower's log level
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    try:
+        code = bench.main(["--report-only", "--out", str(tmp_path)])
+    finally:
+        flwr_log.setLevel(level)
 
     # Assert
     assert code == 0
