@@ -258,24 +258,24 @@ def test_every_scheme_and_label_gives_a_run_config_the_scheme_accepts(
                 assert config["knowledge-clip-factor"] == 0.0
 
 
-def test_felo_s_default_and_its_common_ablation_differ_only_in_the_weight_bound(
+def test_flexifed_s_default_and_its_common_ablation_differ_only_in_the_threshold(
     bench: ModuleType, tmp_path: Path
 ) -> None:
     # Prepare
     from strategies import resolve_run
 
     def resolved(label: str) -> Any:
-        cell = bench.Cell("felo", "dirichlet", 0, bench.CLEAN, 0.0, label)
+        cell = bench.Cell("flexifed", "dirichlet", 0, bench.CLEAN, 0.0, label)
         config = bench.cell_run_config(cell, nodes=5, rounds=2, local_epochs=1, output_dir=tmp_path)
         return resolve_run(config).run.aggregation
 
     # Execute
-    default, common = resolved("mean"), resolved("mean-common")
+    default, common, clip2 = resolved("mean"), resolved("mean-common"), resolved("mean-clip2")
 
-    # Assert: felo's own clip-factor 2 by default, the declared 1 without it
-    assert (default.clip_factor, common.clip_factor) == (2.0, 1.0)
-    assert default.server_trust and common.server_trust
-    assert default.knowledge_clip_factor == common.knowledge_clip_factor == 3.0
+    # Assert: flexifed's own trust-threshold -0.1 by default, the declared 0 without it
+    assert (default.trust_threshold, common.trust_threshold) == (-0.1, 0.0)
+    assert default.clip_factor == common.clip_factor == 1.0
+    assert clip2.clip_factor == 2.0
 
 
 def test_a_report_runs_nothing_not_even_the_cost_part(

@@ -40,22 +40,23 @@ def test_the_shipped_defaults_are_the_option_class_s_own(
 def test_a_scheme_s_own_default_replaces_the_declared_one_only_when_left_unset(
     default_run_config: dict[str, Any],
 ) -> None:
-    # Prepare: felo owns clip-factor (2); fedavg-groups owns nothing
+    # Prepare: flexifed owns trust-threshold (-0.1); heterofl owns nothing
     from strategies.core.registry import resolve_run
 
-    felo = {**default_run_config, "strategy": "felo"}
-    groups = {**default_run_config, "strategy": "fedavg-groups"}
+    flexifed = {**default_run_config, "strategy": "flexifed"}
+    heterofl = {**default_run_config, "strategy": "heterofl"}
 
     # Execute
-    left = resolve_run(felo).run.aggregation
-    set_to_3 = resolve_run({**felo, "clip-factor": 3.0}).run.aggregation
-    others = resolve_run(groups).run.aggregation
+    left = resolve_run(flexifed).run.aggregation
+    set_to_0_2 = resolve_run({**flexifed, "trust-threshold": 0.2}).run.aggregation
+    others = resolve_run(heterofl).run.aggregation
 
-    # Assert: the declared 1 reads as felo's 2; another value is kept; others keep 1
-    assert default_run_config["clip-factor"] == 1.0
-    assert left.clip_factor == 2.0
-    assert set_to_3.clip_factor == 3.0
-    assert others.clip_factor == 1.0
+    # Assert: the declared 0 reads as flexifed's -0.1; another value is kept; others keep 0
+    assert default_run_config["trust-threshold"] == 0.0
+    assert left.trust_threshold == -0.1
+    assert set_to_0_2.trust_threshold == 0.2
+    assert others.trust_threshold == 0.0
+    assert left.clip_factor == others.clip_factor == 1.0
 
 
 @pytest.mark.parametrize("name", list_schemes())
@@ -85,18 +86,27 @@ def test_a_scheme_s_own_default_does_not_trip_the_weight_key_check(
     default_run_config: dict[str, Any],
 ) -> None:
     # Prepare: felo without weight sharing sends no weights, so a changed clip-factor
-    # is refused; its own default is not a change
-    from strategies.core.registry import resolve_run
+    # is refused; a value the scheme owns is not a change (felo given one here)
+    import dataclasses
 
-    felo = {**default_run_config, "strategy": "felo", "felo-share-weights": False}
+    from strategies.core.registry import apply_config_defaults, check_weight_keys
+    from tessera.config import RunConfig
+
+    felo = dataclasses.replace(get_scheme("felo"), config_defaults={"clip-factor": 2.0})
+    config = {**default_run_config, "strategy": "felo", "felo-share-weights": False}
+    options = felo.parse_options(config)
+
+    def run_of(values: dict[str, Any]) -> RunConfig:
+        return RunConfig.from_flower(apply_config_defaults(felo, values))
 
     # Execute
-    run = resolve_run(felo).run
+    own = run_of(config)
+    check_weight_keys(felo, own, options)
 
     # Assert
-    assert run.aggregation.clip_factor == 2.0
+    assert own.aggregation.clip_factor == 2.0
     with pytest.raises(ConfigError, match="clip-factor"):
-        resolve_run({**felo, "clip-factor": 3.0})
+        check_weight_keys(felo, run_of({**config, "clip-factor": 3.0}), options)
 
 
 @pytest.mark.parametrize("off", [False, "false"])
@@ -106,28 +116,11 @@ def test_scheme_defaults_false_keeps_every_declared_value(
     # Prepare
     from strategies.core.registry import resolve_run
 
-    felo = {**default_run_config, "strategy": "felo", "scheme-defaults": off}
+    flexifed = {**default_run_config, "strategy": "flexifed", "scheme-defaults": off}
 
     # Execute
-    run = resolve_run(felo).run
+    run = resolve_run(flexifed).run
 
-    # Assert: the declared clip-factor 1, not felo's 2
-    assert run.aggregation.clip_factor == 1.0
+    # Assert: the declared trust-threshold 0, not flexifed's -0.1
+    assert run.aggregation.trust_threshold == 0.0
     assert run.scheme.scheme_defaults is False
-
-
-def test_flexifed_owns_a_negative_trust_threshold(default_run_config: dict[str, Any]) -> None:
-    # Prepare
-    from strategies.core.registry import resolve_run
-
-    flexifed = {**default_run_config, "strategy": "flexifed"}
-
-    # Execute
-    own = resolve_run(flexifed).run.aggregation
-    common = resolve_run({**flexifed, "scheme-defaults": False}).run.aggregation
-    heterofl = resolve_run({**default_run_config, "strategy": "heterofl"}).run.aggregation
-
-    # Assert
-    assert (own.trust_threshold, common.trust_threshold) == (-0.1, 0.0)
-    assert heterofl.trust_threshold == 0.0
-    assert own.clip_factor == common.clip_factor == 1.0

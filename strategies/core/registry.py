@@ -99,10 +99,9 @@ class Scheme(Generic[OptionsT]):
     config_defaults : Mapping[str, float | bool | str]
         Run-config keys whose default the scheme owns: each replaces the value
         declared in ``pyproject.toml`` when the run leaves the key at that declared
-        value (:func:`apply_config_defaults`). Felo's weight bound is
-        ``clip-factor=2`` and FlexiFed's direction check ``trust-threshold=-0.1``:
-        measured, the common values cost their clean accuracy on skewed data
-        (``docs/pages/robustness.md``).
+        value (:func:`apply_config_defaults`). FlexiFed's direction check is
+        ``trust-threshold=-0.1``: measured, the common 0 costs its clean accuracy on
+        skewed data (``docs/pages/robustness.md``).
     """
 
     name: str
@@ -210,16 +209,16 @@ def apply_config_defaults(
     Examples
     --------
     >>> from tessera.config.declared import declared_defaults
-    >>> felo = get_scheme("felo")
-    >>> declared_defaults()["clip-factor"], dict(felo.config_defaults)
-    (1.0, {'clip-factor': 2.0})
-    >>> apply_config_defaults(felo, {"strategy": "felo", "clip-factor": 1.0})["clip-factor"]
-    2.0
-    >>> apply_config_defaults(felo, {"strategy": "felo", "clip-factor": 3.0})["clip-factor"]
-    3.0
-    >>> given = {"strategy": "felo", "clip-factor": 1.0, "scheme-defaults": False}
-    >>> apply_config_defaults(felo, given)["clip-factor"]
-    1.0
+    >>> flexifed = get_scheme("flexifed")
+    >>> declared_defaults()["trust-threshold"], dict(flexifed.config_defaults)
+    (0.0, {'trust-threshold': -0.1})
+    >>> apply_config_defaults(flexifed, {"trust-threshold": 0.0})["trust-threshold"]
+    -0.1
+    >>> apply_config_defaults(flexifed, {"trust-threshold": 0.2})["trust-threshold"]
+    0.2
+    >>> given = {"trust-threshold": 0.0, "scheme-defaults": False}
+    >>> apply_config_defaults(flexifed, given)["trust-threshold"]
+    0.0
     """
     from tessera.config.declared import changed_keys, declared_defaults
     from tessera.config.reader import ConfigReader

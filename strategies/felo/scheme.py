@@ -51,9 +51,6 @@ FELO = register_scheme(
         default_family="cnn",
         description="Felo: per-class features and logits, FedAvg within architecture groups",
         personalise=True,
-        # the group models' bound: at the common 1 the clip costs the honest
-        # clients' personalised accuracy on Dirichlet(0.5) (24 seeds, robustness page)
-        config_defaults={"clip-factor": 2.0},
     )
 )
 
