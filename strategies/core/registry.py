@@ -169,8 +169,8 @@ def resolve_run(run_config: Mapping[str, Any]) -> ResolvedRun[Any]:
     An empty ``norm`` becomes the scheme's own (:attr:`Scheme.norm`), a key left at
     its declared default takes the scheme's own where it has one
     (:attr:`Scheme.config_defaults`), and the scheme's :attr:`~Scheme.validate` hook
-    runs. The ServerApp and every ClientApp
-    call this, so both sides see the same values.
+    runs. The ServerApp and every ClientApp call this, so both sides see the same
+    values.
 
     Raises
     ------
@@ -229,7 +229,6 @@ def apply_config_defaults(
         "scheme-defaults", bool
     ):
         return run_config
-
     if declared_defaults() is None:
         return run_config
     keys = [key for key in scheme.config_defaults if key in run_config]
