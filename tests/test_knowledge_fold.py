@@ -15,14 +15,7 @@ import numpy as np
 import pytest
 
 from strategies.core.scales import next_scale
-from strategies.felo.fold import (
-    KNOWLEDGE_HEADROOM,
-    KNOWLEDGE_SCALES,
-    KnowledgeFold,
-    headroom_from_state,
-    next_headroom,
-    scales_from_state,
-)
+from strategies.felo.fold import KNOWLEDGE_SCALES, KnowledgeFold, scales_from_state
 from strategies.felo.knowledge import (
     ClassKnowledge,
     KnowledgeError,
@@ -136,37 +129,8 @@ def test_one_row_by_hand() -> None:
     np.testing.assert_allclose(out.merged.logits, [[1.875, 2.5]], rtol=1e-6)
     assert out.merged.counts.tolist() == [4]
     assert out.clips == [(1, "logits", 10.0, 4.0)]
-    # accepted norms (4, 0.5): lower median 0.5, kept within [1 / 2, 1 x 2]; the
-    # scale reached it, so the next bound has no headroom
+    # accepted norms (4, 0.5): lower median 0.5, kept within [1 / 2, 1 x 2]
     assert out.scales == {"logits": pytest.approx(0.5)}
-    assert out.headroom == {"logits": 1.0}
-
-
-def test_a_steady_scale_bounds_at_the_clip_factor_alone() -> None:
-    # Prepare: headroom 1 (the scale caught up last round): bound 3 x 0.5 = 1.5
-    given = parts()
-    fold = KnowledgeFold(
-        C,
-        clip_factor=3.0,
-        previous={"logits": 0.5, "features": 2.0},
-        headroom={"logits": 1.0, "features": 1.0},
-    )
-    for node, p in enumerate(given):
-        fold.add(p, node)
-    out = fold.result()
-    bounded, clips = clip_knowledge(given, {"logits": 1.5, "features": 6.0})
-    assert_same(out.merged, merge_knowledge(bounded, C))
-    assert out.clips == clips
-
-
-def test_next_headroom_by_hand() -> None:
-    # after a first round: catching up
-    assert next_headroom([0.5, 1.0, 9.0], None, 2.0) == 2.0
-    # lower median 4.2 beyond 2 x 2: the scale could not reach it
-    assert next_headroom([4.1, 4.2, 9.0], 2.0, 2.0) == 2.0
-    # lower median 4 is reached (2 x 2): steady; shrinking is steady too
-    assert next_headroom([3.9, 4.0, 9.0], 2.0, 2.0) == 1.0
-    assert next_headroom([0.1], 2.0, 2.0) == 1.0
 
 
 def test_the_scale_cannot_be_ratcheted() -> None:
@@ -179,15 +143,9 @@ def test_the_scale_cannot_be_ratcheted() -> None:
         return fold.result().scales["logits"]
 
     # Assert: a minority (2 of 5) sending 1e6 or 1e-9 does not move it at all (the
-    # bound is 3 x headroom 2 x 1 = 6), nor the headroom: steady
+    # bound is 3 x 1 x 2 = 6)
     assert round_with([1e6, 1e6], 1.0) == 1.0
     assert round_with([1e-9, 1e-9], 1.0) == 1.0
-    for hostile in ([1e6, 1e6], [1e-9, 1e-9]):
-        fold = KnowledgeFold(2, clip_factor=3.0, previous={"logits": 1.0}, growth=2.0)
-        for i, norm in enumerate([1.0, 1.0, 1.0, *hostile]):
-            row = np.array([[norm, 0.0]], np.float32)
-            fold.add(ClassKnowledge(np.array([0]), np.array([1]), row), i)
-        assert fold.result().headroom == {"logits": 1.0}
     # a majority (4 of 7) moves it by at most bound-growth (2) a round: what they got
     # accepted is the bound 6, or their tiny rows
     assert round_with([1e6] * 4, 1.0) == 2.0
@@ -304,22 +262,6 @@ def test_bad_settings_and_an_empty_round_are_refused() -> None:
 def test_checkpoint_scales_are_checked(saved: Any, match: str) -> None:
     with pytest.raises(StateFileError, match=match):
         scales_from_state({KNOWLEDGE_SCALES: saved})
-
-
-@pytest.mark.parametrize(
-    ("saved", "match"),
-    [
-        ({"logits": 0.5}, "from 1 to 2"),
-        ({"logits": 2.5}, "<= 2"),
-        ({"logits": math.inf}, "knowledge_headroom.logits"),
-        ({"bias": 1.0}, "not a kind of row"),
-    ],
-)
-def test_checkpoint_headroom_is_checked(saved: Any, match: str) -> None:
-    with pytest.raises(StateFileError, match=match):
-        headroom_from_state({KNOWLEDGE_HEADROOM: saved}, 2.0)
-    assert headroom_from_state({KNOWLEDGE_HEADROOM: {"features": 1.5}}, 2.0) == {"features": 1.5}
-    assert headroom_from_state({}, 2.0) == {}
 
 
 def test_checkpoint_scales_round_trip_and_default_to_none() -> None:

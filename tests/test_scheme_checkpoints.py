@@ -132,7 +132,6 @@ def nothing_restored(name: str, server: Any) -> bool:
             server.targets is None
             and server.models.arrays == {}
             and server.knowledge_scales == {}
-            and server.knowledge_headroom == {}
             and velo_empty
         )
     if name == "fedhenn":
@@ -252,11 +251,6 @@ TAMPERINGS = [
     ),
     (
         "felo",
-        _set("knowledge_headroom.logits", lambda _: 5.0),
-        r"'knowledge_headroom\.logits' is 5\.0",
-    ),
-    (
-        "felo",
         _set("knowledge_scales.weights", lambda _: 1.0),
         r"'knowledge_scales\.weights' is not a kind",
     ),
@@ -359,7 +353,6 @@ def test_an_intact_scheme_checkpoint_is_restored(
         for key, value in run.state["targets"].items():
             np.testing.assert_array_equal(again["targets"][key], value)
         assert again["knowledge_scales"] == run.state["knowledge_scales"]
-        assert again["knowledge_headroom"] == run.state["knowledge_headroom"]
     if name == "felo":  # round 1 set the scales the next round's fold bounds by
         assert set(run.state["knowledge_scales"]) == {"logits", "features"}
     if name == "velo":

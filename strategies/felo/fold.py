@@ -10,21 +10,14 @@ scale).
 
 The row bound (``knowledge-clip-factor``) is what a fold changes. The buffered merge
 bounds every row by the lower median norm of the round's own rows, known only once
-every row is in. :class:`KnowledgeFold` bounds a row of a kind (logits, features) by
-``knowledge-clip-factor`` x *headroom* x the **previous** round's scale of that kind.
-The scale is the lower median of the row norms the previous round accepted (after
-clipping, so what an attacker sent beyond the bound never enters it), moved by at
-most ``bound-growth`` a round (:func:`~strategies.core.scales.next_scale`), as the
-bounded weight ``mean``'s is. The headroom is 1 once the scale is steady and
-``bound-growth`` while it is still catching up: after the first round, and after a
-round whose median the scale could not reach (it grew by ``bound-growth``, the most
-it may). Weight updates shrink as a model converges, but per-class logits and
-features grow while it learns (FedHe on digits: median logit norms 0.46, 1.62,
-2.71, 3.86, 5.1 over its first five rounds), and a bound of ``clip-factor`` x the
-lagging scale clipped every honest reply of rounds 2 and 3. A steady headroom of
-``bound-growth`` instead let one booster in ten double its pull on the targets every
-round, and the honest clients' rows grew after them (measured: one seed of Felo's
-one-in-ten grid fell from 95 % to 62 %).
+every row is in. :class:`KnowledgeFold` bounds a row by ``knowledge-clip-factor``
+times the largest scale the round may reach: the **previous** round's scale of its
+kind (logits, features) times ``bound-growth``. That scale is the lower median of
+the row norms the previous round accepted (after clipping, so what an attacker sent
+beyond the bound never enters it), moved by at most ``bound-growth`` a round
+(:func:`~strategies.core.scales.next_scale`), as the bounded weight ``mean``'s is.
+Weight updates shrink as a model converges, but per-class logits and features grow
+while it learns, so the bound allows for the scale's largest move this round.
 
 A reply carrying a kind that has no scale yet (the first round, or a run resumed
 from a checkpoint without one) is kept until :meth:`KnowledgeFold.result`, which
@@ -35,7 +28,7 @@ round the fold's result equals the buffered merge's.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,14 +45,11 @@ from strategies.felo.knowledge import (
 )
 
 __all__ = [
-    "KNOWLEDGE_HEADROOM",
     "KNOWLEDGE_SCALES",
     "FoldResult",
     "KnowledgeFold",
     "KnowledgeRound",
-    "headroom_from_state",
     "moving_kinds",
-    "next_headroom",
     "scales_from_state",
 ]
 
@@ -81,25 +71,6 @@ def moving_kinds(part: ClassKnowledge) -> list[str]:
     return kinds
 
 
-def next_headroom(accepted: Sequence[float], previous: float | None, growth: float) -> float:
-    """Return the multiple of the next scale the next round's bound allows for.
-
-    ``growth`` when the scale is still catching up: after a first round (no
-    ``previous``), or when the lower median of ``accepted`` was beyond what the
-    scale may reach in one round (``previous x growth``); 1 once it is steady.
-
-    Examples
-    --------
-    >>> next_headroom([1.0, 3.0], None, 2.0), next_headroom([5.0], 2.0, 2.0)
-    (2.0, 2.0)
-    >>> next_headroom([3.9], 2.0, 2.0)  # the scale reaches 3.9: steady
-    1.0
-    """
-    if previous is None or lower_median(accepted) > previous * growth:
-        return float(growth)
-    return 1.0
-
-
 @dataclass(frozen=True)
 class FoldResult:
     """What :meth:`KnowledgeFold.result` returns.
@@ -115,15 +86,12 @@ class FoldResult:
         The next round's scale per kind (empty when unbounded).
     buffered : int
         How many replies were kept until the end (no scale for a kind they carried).
-    headroom : dict[str, float]
-        The next round's headroom per kind (:func:`next_headroom`).
     """
 
     merged: ClassKnowledge
     clips: list[tuple[int, str, float, float]]
     scales: dict[str, float]
     buffered: int
-    headroom: dict[str, float]
 
 
 class KnowledgeFold:
@@ -141,20 +109,14 @@ class KnowledgeFold:
         by the round's own median).
     growth : float
         Largest factor a scale may move between two rounds (``bound-growth``, > 1).
-    headroom : Mapping[str, float] | None
-        Per kind with a previous scale, the multiple of it the bound allows for (1
-        to ``growth``; a kind left out gets ``growth``: the previous round was the
-        first).
 
     Examples
     --------
     >>> fold = KnowledgeFold(2, clip_factor=1.0, previous={"logits": 1.0}, growth=2.0)
     >>> fold.add(ClassKnowledge(np.array([0]), np.array([1]), np.array([[6.0, 8.0]])), tag=7)
-    >>> out = fold.result()  # (6, 8) has norm 10, clipped to 1 x headroom 2 x the scale 1
-    >>> out.merged.logits.tolist(), out.clips
-    ([[1.2000000476837158, 1.600000023841858]], [(7, 'logits', 10.0, 2.0)])
-    >>> out.scales, out.headroom  # accepted 2 is within 1 x 2: the scale is steady
-    ({'logits': 2.0}, {'logits': 1.0})
+    >>> out = fold.result()  # (6, 8) has norm 10, clipped to 1 x the scale 1 x growth 2
+    >>> out.merged.logits.tolist(), out.clips, out.scales
+    ([[1.2000000476837158, 1.600000023841858]], [(7, 'logits', 10.0, 2.0)], {'logits': 2.0})
     """
 
     def __init__(
@@ -164,7 +126,6 @@ class KnowledgeFold:
         clip_factor: float,
         previous: Mapping[str, float] | None = None,
         growth: float = 2.0,
-        headroom: Mapping[str, float] | None = None,
     ) -> None:
         if not (clip_factor == 0 or clip_factor >= 1):
             raise ValueError(f"clip_factor must be 0 (off) or at least 1, got {clip_factor!r}")
@@ -178,14 +139,6 @@ class KnowledgeFold:
             for kind, value in (previous or {}).items()
             if kind in KINDS and math.isfinite(float(value)) and float(value) > 0
         }
-        given = dict(headroom or {})
-        self.headroom: dict[str, float] = {
-            kind: min(max(float(given.get(kind, self.growth)), 1.0), self.growth)
-            if math.isfinite(float(given.get(kind, self.growth)))
-            else self.growth
-            for kind in self.previous
-        }
-        """Per kind with a previous scale, the multiple of it this round's bound allows."""
         self.sums: KnowledgeSums | None = None
         self.feature_dim: int | None = None
         self.accepted: dict[str, list[float]] = {}
@@ -251,12 +204,18 @@ class KnowledgeFold:
         self.sums.add(clipped)
 
     def _previous_bounds(self) -> dict[str, float]:
-        """Return ``clip-factor`` x headroom x the previous scale, per kind (none unbounded)."""
+        """Return ``clip-factor`` x the largest scale this round may reach, per kind.
+
+        That is the previous scale times ``growth`` (:func:`next_scale` moves it by at
+        most that): honest rows grow fast while a model learns (measured on digits,
+        FedHe's median logit norm went 0.46, 1.62, 2.71, 3.86 over its first four
+        rounds), and a bound of ``clip-factor`` x the previous scale alone clipped
+        every honest reply of rounds 2 and 3. Empty when unbounded.
+        """
         if self.clip_factor <= 0:
             return {}
         return {
-            kind: self.clip_factor * self.headroom[kind] * scale
-            for kind, scale in self.previous.items()
+            kind: self.clip_factor * self.growth * scale for kind, scale in self.previous.items()
         }
 
     def _round_bounds(self) -> dict[str, float]:
@@ -291,13 +250,10 @@ class KnowledgeFold:
                 self._fold(part, tag, bounds)
             self._buffer.clear()
         scales = dict(self.previous) if self.clip_factor > 0 else {}
-        headroom = dict(self.headroom) if self.clip_factor > 0 else {}
         for kind, norms in self.accepted.items():
             if norms:
-                previous = self.previous.get(kind)
-                scales[kind] = next_scale(norms, previous, self.growth)
-                headroom[kind] = next_headroom(norms, previous, self.growth)
-        return FoldResult(self.sums.merged(), list(self.clips), scales, self.buffered, headroom)
+                scales[kind] = next_scale(norms, self.previous.get(kind), self.growth)
+        return FoldResult(self.sums.merged(), list(self.clips), scales, self.buffered)
 
 
 KNOWLEDGE_SCALES = "knowledge_scales"
@@ -333,34 +289,3 @@ def scales_from_state(state: Mapping[str, object]) -> dict[str, float]:
             raise StateFileError(where, f"is not a kind of row; expected one of {KINDS}")
         scales[str(kind)] = positive_float(value, where=where, maximum=MEDIAN_LIMIT)
     return scales
-
-
-KNOWLEDGE_HEADROOM = "knowledge_headroom"
-"""Checkpoint entry of the knowledge bounds' headroom (kind -> float in [1, growth])."""
-
-
-def headroom_from_state(state: Mapping[str, object], growth: float) -> dict[str, float]:
-    """Check and return a checkpoint's headroom per kind (an older checkpoint has none).
-
-    Each entry must be a kind of row mapped to a number from 1 to ``growth``
-    (run-config ``bound-growth``): a restored headroom never loosens the bound beyond
-    what :func:`next_headroom` gives.
-
-    Raises
-    ------
-    tessera.state_checks.StateFileError
-        Naming the field and what it holds.
-    """
-    from tessera.state_checks import StateFileError, get_mapping, positive_float
-
-    tree = get_mapping(state, KNOWLEDGE_HEADROOM, default={})
-    headroom: dict[str, float] = {}
-    for kind, value in tree.items():
-        where = f"{KNOWLEDGE_HEADROOM}.{kind}"
-        if kind not in KINDS:
-            raise StateFileError(where, f"is not a kind of row; expected one of {KINDS}")
-        number = positive_float(value, where=where, maximum=growth)
-        if number < 1:
-            raise StateFileError(where, f"is {number!r}; expected a number from 1 to {growth:g}")
-        headroom[str(kind)] = number
-    return headroom

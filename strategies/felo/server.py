@@ -23,12 +23,10 @@ from strategies.core.groups import GroupModels, GroupRound, NonFiniteStateError,
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.felo.fold import (
-    KNOWLEDGE_HEADROOM,
     KNOWLEDGE_SCALES,
     FoldResult,
     KnowledgeFold,
     KnowledgeRound,
-    headroom_from_state,
     scales_from_state,
 )
 from strategies.felo.knowledge import (
@@ -77,8 +75,6 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         self.targets: ClassKnowledge | None = None
         self.knowledge_scales: dict[str, float] = {}
         """The last committed round's row scale per kind (:class:`KnowledgeFold`)."""
-        self.knowledge_headroom: dict[str, float] = {}
-        """The next round's headroom per kind (:func:`~strategies.felo.fold.next_headroom`)."""
 
     @property
     def felo(self) -> FeloOptions:
@@ -144,7 +140,6 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
                         clip_factor=agg.knowledge_clip_factor,
                         previous=self.knowledge_scales,
                         growth=agg.bound_growth,
-                        headroom=self.knowledge_headroom,
                     )
                 ),
             )
@@ -223,7 +218,6 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         self.targets = targets
         if folded is not None:
             self.knowledge_scales = folded.scales
-            self.knowledge_headroom = folded.headroom
             extra["knowledge_buffered"] = folded.buffered
         extra["knowledge_clipped"] = [
             {"node": node, "kind": kind, "norm": norm, "bound": bound}
@@ -261,7 +255,6 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
             "group_models": self.models.state_dict(),
             "targets": None if self.targets is None else knowledge_state(self.targets),
             KNOWLEDGE_SCALES: dict(self.knowledge_scales),
-            KNOWLEDGE_HEADROOM: dict(self.knowledge_headroom),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -297,10 +290,8 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         Felo's entries are ``targets``: ``None`` (before the first aggregation) or the
         per-class knowledge of :func:`knowledge_from_state`, with features of width
         ``feature-dim`` when the scheme exchanges features and none otherwise; and
-        ``knowledge_scales`` and ``knowledge_headroom``
-        (:func:`~strategies.felo.fold.scales_from_state`,
-        :func:`~strategies.felo.fold.headroom_from_state`; an older checkpoint without
-        them bounds its next round by that round's own rows).
+        ``knowledge_scales`` (:func:`~strategies.felo.fold.scales_from_state`; an
+        older checkpoint without it bounds its next round by that round's own rows).
         Subclasses extend it (``super().checked_scheme_state(state)`` first).
 
         Parameters
@@ -324,7 +315,6 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         targets: ClassKnowledge | None = None
         try:
             scales = scales_from_state(state)
-            headroom = headroom_from_state(state, self.env.run.aggregation.bound_growth)
         except StateFileError as err:
             raise refusal(state, err) from err
         if state.get("targets") is not None:
@@ -341,7 +331,6 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         def restore() -> None:
             self.targets = targets
             self.knowledge_scales = scales
-            self.knowledge_headroom = headroom
 
         return restore
 

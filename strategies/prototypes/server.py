@@ -36,12 +36,9 @@ from strategies.core.groups import NonFiniteStateError
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.felo.fold import (
-    KNOWLEDGE_HEADROOM,
     KNOWLEDGE_SCALES,
-    FoldResult,
     KnowledgeFold,
     KnowledgeRound,
-    headroom_from_state,
     scales_from_state,
 )
 from strategies.felo.knowledge import cap_counts
@@ -97,8 +94,6 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
         self.global_prototypes: ClassPrototypes | None = None
         """What the next round sends (``None`` before the first aggregation)."""
         self.knowledge_scales: dict[str, float] = {}
-        self.knowledge_headroom: dict[str, float] = {}
-        """The next round's headroom per kind (:func:`~strategies.felo.fold.next_headroom`)."""
         """The last committed round's row scale (:class:`~strategies.felo.fold.KnowledgeFold`)."""
 
     def streams_knowledge(self) -> bool:
@@ -118,7 +113,6 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
                     clip_factor=agg.knowledge_clip_factor,
                     previous=self.knowledge_scales,
                     growth=agg.bound_growth,
-                    headroom=self.knowledge_headroom,
                 )
             ),
         )
@@ -147,12 +141,13 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Merge the prototypes robustly, make the next global ones, commit if finite."""
         folded = ctx.scheme_state.get(KnowledgeRound)
-        result: FoldResult | None = None
+        scales: dict[str, float] | None = None
         if isinstance(folded, KnowledgeRound):
             result = folded.fold.result()
             merge = PrototypeMerge(merged=as_prototypes(result.merged), bounded=[], clips=[])
             clips = [(node, n, b) for node, kind, n, b in result.clips if kind == "features"]
             clipped = log_clips(ctx, clips, self.env)
+            scales = result.scales
         else:
             merge, clipped = merge_replies(ctx, replies, self.env)
         protos, metrics = self.make_global(ctx, merge)
@@ -160,10 +155,9 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
             raise NonFiniteStateError("the global prototypes are not finite")
         self.commit_global(ctx, protos)
         extra: dict[str, Any] = {}
-        if result is not None:
-            self.knowledge_scales = result.scales
-            self.knowledge_headroom = result.headroom
-            extra["knowledge_buffered"] = result.buffered
+        if isinstance(folded, KnowledgeRound) and scales is not None:
+            self.knowledge_scales = scales
+            extra["knowledge_buffered"] = folded.fold.buffered
         accuracies = [r.metrics[PROTO_ACCURACY] for r in replies if PROTO_ACCURACY in r.metrics]
         return {
             **metrics,
@@ -204,7 +198,6 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
                 PROTOTYPES: protos.prototypes,
             },
             KNOWLEDGE_SCALES: dict(self.knowledge_scales),
-            KNOWLEDGE_HEADROOM: dict(self.knowledge_headroom),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -237,14 +230,12 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
         )
         try:
             scales = scales_from_state(state)
-            headroom = headroom_from_state(state, self.env.run.aggregation.bound_growth)
         except StateFileError as err:
             raise refusal(state, err) from err
 
         def restore() -> None:
             self.global_prototypes = protos
             self.knowledge_scales = scales
-            self.knowledge_headroom = headroom
 
         return restore
 
