@@ -864,10 +864,9 @@ def test_knowledge_is_folded_against_the_previous_round_s_scale(
     targets, scales = fed.server.targets, fed.server.knowledge_scales
 
     # Assert: round 2 was folded as the replies arrived (none kept), bounded by 3x the
-    # largest scale it may reach (round 1's x bound-growth 2); the targets are that
-    # merge; the next scale follows next_scale
+    # round-1 scale; the targets are that merge; the next scale follows next_scale
     assert [r["knowledge_buffered"] for r in fed.server.rounds] == [3, 0]
-    bounded2, _ = clip_knowledge(second, {k: 3.0 * 2.0 * s for k, s in scale1.items()})
+    bounded2, _ = clip_knowledge(second, {k: 3.0 * s for k, s in scale1.items()})
     expected = merge_knowledge(bounded2, num_classes=10)
     assert targets is not None
     np.testing.assert_allclose(targets.logits, expected.logits, rtol=1e-5, atol=1e-6)

@@ -89,7 +89,7 @@ def test_a_first_round_equals_the_buffered_merge() -> None:
 
 
 def test_a_later_round_bounds_by_the_previous_scale_and_folds_at_once() -> None:
-    # Prepare: last round's scales 0.5 (logits) and 2.0 (features), factor 3, growth 2
+    # Prepare: last round's scales 0.5 (logits) and 2.0 (features), factor 3
     given = parts()
     previous = {"logits": 0.5, "features": 2.0}
     fold = KnowledgeFold(C, clip_factor=3.0, previous=previous, growth=2.0)
@@ -100,13 +100,12 @@ def test_a_later_round_bounds_by_the_previous_scale_and_folds_at_once() -> None:
         assert fold.sums is not None and not fold._buffer  # folded, not kept
     out = fold.result()
 
-    # Assert: every row clipped to 3 x the largest scale the round may reach (the
-    # previous one x growth 2): 3 and 12, merged
-    bounded, clips = clip_knowledge(given, {"logits": 3.0, "features": 12.0})
+    # Assert: every row clipped to 3 x its kind's previous scale (1.5 and 6), merged
+    bounded, clips = clip_knowledge(given, {"logits": 1.5, "features": 6.0})
     assert_same(out.merged, merge_knowledge(bounded, C))
     assert out.clips == clips and out.buffered == 0
     for p in bounded:
-        assert np.linalg.norm(p.logits.astype(np.float64), axis=1).max() <= 3.0 * (1 + 1e-6)
+        assert np.linalg.norm(p.logits.astype(np.float64), axis=1).max() <= 1.5 * (1 + 1e-6)
     # Assert: the next scale is the lower median of what was accepted, within 2x
     for kind in ("logits", "features"):
         expected = next_scale(norms_of(bounded, kind), previous[kind], 2.0)
@@ -114,8 +113,8 @@ def test_a_later_round_bounds_by_the_previous_scale_and_folds_at_once() -> None:
 
 
 def test_one_row_by_hand() -> None:
-    # Prepare: scale 1, factor 2, growth 2: the bound is 2 x 1 x 2 = 4; a row (6, 8)
-    # of norm 10, count 3, and a row (0.3, 0.4) of norm 0.5, count 1, both class 0
+    # Prepare: scale 1, factor 2: the bound is 2; a row (6, 8) of norm 10, count 3,
+    # and a row (0.3, 0.4) of norm 0.5, count 1, both class 0
     fold = KnowledgeFold(2, clip_factor=2.0, previous={"logits": 1.0}, growth=2.0)
     a = ClassKnowledge(np.array([0]), np.array([3]), np.array([[6.0, 8.0]], np.float32))
     b = ClassKnowledge(np.array([0]), np.array([1]), np.array([[0.3, 0.4]], np.float32))
@@ -125,11 +124,11 @@ def test_one_row_by_hand() -> None:
     fold.add(b, 2)
     out = fold.result()
 
-    # Assert: (6, 8) becomes (2.4, 3.2); the mean (3 * (2.4, 3.2) + (0.3, 0.4)) / 4
-    np.testing.assert_allclose(out.merged.logits, [[1.875, 2.5]], rtol=1e-6)
+    # Assert: (6, 8) becomes (1.2, 1.6); the mean (3 * (1.2, 1.6) + (0.3, 0.4)) / 4
+    np.testing.assert_allclose(out.merged.logits, [[0.975, 1.3]], rtol=1e-6)
     assert out.merged.counts.tolist() == [4]
-    assert out.clips == [(1, "logits", 10.0, 4.0)]
-    # accepted norms (4, 0.5): lower median 0.5, kept within [1 / 2, 1 x 2]
+    assert out.clips == [(1, "logits", 10.0, 2.0)]
+    # accepted norms (2, 0.5): lower median 0.5, kept within [1 / 2, 1 x 2]
     assert out.scales == {"logits": pytest.approx(0.5)}
 
 
@@ -142,12 +141,11 @@ def test_the_scale_cannot_be_ratcheted() -> None:
             fold.add(ClassKnowledge(np.array([0]), np.array([1]), row), i)
         return fold.result().scales["logits"]
 
-    # Assert: a minority (2 of 5) sending 1e6 or 1e-9 does not move it at all (the
-    # bound is 3 x 1 x 2 = 6)
+    # Assert: a minority (2 of 5) sending 1e6 or 1e-9 does not move it at all
     assert round_with([1e6, 1e6], 1.0) == 1.0
     assert round_with([1e-9, 1e-9], 1.0) == 1.0
     # a majority (4 of 7) moves it by at most bound-growth (2) a round: what they got
-    # accepted is the bound 6, or their tiny rows
+    # accepted is 3 x the scale, or their tiny rows
     assert round_with([1e6] * 4, 1.0) == 2.0
     assert round_with([1e-9] * 4, 1.0) == 0.5
 
@@ -177,9 +175,9 @@ def test_prototypes_with_zero_logits_stream_on_the_feature_scale_alone() -> None
     fold.add(zero, 5)
     out = fold.result()
 
-    # Assert: folded at once, (3, 0, 4) clipped to norm 1 x 2 x 2 = 4; no logit scale
+    # Assert: folded at once, (3, 0, 4) clipped to norm 2; no logit scale invented
     assert out.buffered == 0
-    np.testing.assert_allclose(out.merged.features, [[2.4, 0.0, 3.2]], rtol=1e-6)
+    np.testing.assert_allclose(out.merged.features, [[1.2, 0.0, 1.6]], rtol=1e-6)
     assert set(out.scales) == {"features"}
 
 
@@ -193,9 +191,9 @@ def test_a_reply_moving_a_kind_without_a_scale_waits_for_the_round_median() -> N
         fold.add(p, i)
     out = fold.result()
 
-    # Assert: logits bounded by 3 x 0.25 x 2, features by 3 x the round's lower median
+    # Assert: logits bounded by 3 x 0.25, features by 3 x the round's lower median
     feature_median = sorted(norms_of(given, "features"))[(10 - 1) // 2]
-    bounded, _ = clip_knowledge(given, {"logits": 1.5, "features": 3.0 * feature_median})
+    bounded, _ = clip_knowledge(given, {"logits": 0.75, "features": 3.0 * feature_median})
     assert_same(out.merged, merge_knowledge(bounded, C))
     assert out.buffered == 5
 

@@ -635,8 +635,8 @@ def test_fedproto_folds_its_prototypes_against_the_previous_round_s_scale(
     federation: Callable[[str], Federation],
 ) -> None:
     # Prepare: the default bound (knowledge-clip-factor 3, bound-growth 2), by hand:
-    # round 1 bounds by 3x its own lower median row norm, later rounds by 3 x 2 x the
-    # scale the round before accepted (lower median, moved by at most 2x a round)
+    # round 1 bounds by its own lower median row norm, later rounds by 3x the scale
+    # the round before accepted (lower median, moved by at most 2x a round)
     fed = federation("fedproto-bounded")
 
     def rows(server_round: int) -> list[ClassPrototypes]:
@@ -654,7 +654,7 @@ def test_fedproto_folds_its_prototypes_against_the_previous_round_s_scale(
     first = accepted(rows(1), np.inf)
     scale = first[(len(first) - 1) // 2]
     scale = next_scale(accepted(rows(1), 3.0 * scale), None, 2.0)
-    scale = next_scale(accepted(rows(2), 6.0 * scale), scale, 2.0)
+    scale = next_scale(accepted(rows(2), 3.0 * scale), scale, 2.0)
 
     # Execute: what round 3 merged
     sent = fed.server.global_prototypes
@@ -667,7 +667,7 @@ def test_fedproto_folds_its_prototypes_against_the_previous_round_s_scale(
             p.counts,
             (
                 p.prototypes
-                * np.minimum(1.0, 6.0 * scale / np.linalg.norm(p.prototypes, axis=1))[:, None]
+                * np.minimum(1.0, 3.0 * scale / np.linalg.norm(p.prototypes, axis=1))[:, None]
             ).astype(np.float32),
         )
         for p in rows(3)

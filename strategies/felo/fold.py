@@ -1,26 +1,21 @@
 """The ``mean`` knowledge merge, folded as the replies arrive.
 
-Felo's, FedHe's and FedProto's default merge
-(:func:`~strategies.felo.knowledge.merge_knowledge`, ``knowledge-merge=mean``) is a
-count-weighted sum per class, so it folds reply by reply into sums of O(classes x
-width) (:class:`~strategies.felo.knowledge.KnowledgeSums`) and each reply's rows are
-dropped, as the weights are: the server's memory for the round does not grow with
-the number of nodes (only one float per accepted row is kept, for the next round's
-scale).
+Felo's, FedHe's and FedProto's default merge (:func:`~strategies.felo.knowledge.merge_knowledge`,
+``knowledge-merge=mean``) is a count-weighted sum per class, so it folds reply by reply
+into sums of O(classes x width) (:class:`~strategies.felo.knowledge.KnowledgeSums`)
+and each reply's rows are dropped, as the weights are: the server's memory for the
+round does not grow with the number of nodes (only one float per accepted row is
+kept, for the next round's scale).
 
 The row bound (``knowledge-clip-factor``) is what a fold changes. The buffered merge
 bounds every row by the lower median norm of the round's own rows, known only once
 every row is in. :class:`KnowledgeFold` bounds a row by ``knowledge-clip-factor``
-times the largest scale the round may reach: the **previous** round's scale of its
-kind (logits, features) times ``bound-growth``. That scale is the lower median of
-the row norms the previous round accepted (after clipping, so what an attacker sent
-beyond the bound never enters it), moved by at most ``bound-growth`` a round
-(:func:`~strategies.core.scales.next_scale`), as the bounded weight ``mean``'s is.
-Weight updates shrink as a model converges, but per-class logits and features grow
-while it learns, so the bound allows for the scale's largest move this round.
-
-A reply carrying a kind that has no scale yet (the first round, or a run resumed
-from a checkpoint without one) is kept until :meth:`KnowledgeFold.result`, which
+times the **previous** round's scale of its kind (logits, features): the lower
+median of the row norms that round accepted (after clipping, so what an attacker
+sent beyond the bound never enters it), moved by at most ``bound-growth`` a round
+(:func:`~strategies.core.scales.next_scale`), exactly as the bounded weight ``mean``
+does. A reply carrying a kind that has no scale yet (the first round, or a resumed
+run from a checkpoint without one) is kept until :meth:`KnowledgeFold.result`, which
 bounds it by the round's own lower median, as the buffered merge does: in the first
 round the fold's result equals the buffered merge's.
 """
@@ -113,10 +108,10 @@ class KnowledgeFold:
     Examples
     --------
     >>> fold = KnowledgeFold(2, clip_factor=1.0, previous={"logits": 1.0}, growth=2.0)
-    >>> fold.add(ClassKnowledge(np.array([0]), np.array([1]), np.array([[6.0, 8.0]])), tag=7)
-    >>> out = fold.result()  # (6, 8) has norm 10, clipped to 1 x the scale 1 x growth 2
+    >>> fold.add(ClassKnowledge(np.array([0]), np.array([1]), np.array([[3.0, 4.0]])), tag=7)
+    >>> out = fold.result()  # (3, 4) has norm 5, clipped to the scale 1
     >>> out.merged.logits.tolist(), out.clips, out.scales
-    ([[1.2000000476837158, 1.600000023841858]], [(7, 'logits', 10.0, 2.0)], {'logits': 2.0})
+    ([[0.6000000238418579, 0.800000011920929]], [(7, 'logits', 5.0, 1.0)], {'logits': 1.0})
     """
 
     def __init__(
@@ -204,19 +199,10 @@ class KnowledgeFold:
         self.sums.add(clipped)
 
     def _previous_bounds(self) -> dict[str, float]:
-        """Return ``clip-factor`` x the largest scale this round may reach, per kind.
-
-        That is the previous scale times ``growth`` (:func:`next_scale` moves it by at
-        most that): honest rows grow fast while a model learns (measured on digits,
-        FedHe's median logit norm went 0.46, 1.62, 2.71, 3.86 over its first four
-        rounds), and a bound of ``clip-factor`` x the previous scale alone clipped
-        every honest reply of rounds 2 and 3. Empty when unbounded.
-        """
+        """Return ``clip-factor`` x the previous scale per kind (none when unbounded)."""
         if self.clip_factor <= 0:
             return {}
-        return {
-            kind: self.clip_factor * self.growth * scale for kind, scale in self.previous.items()
-        }
+        return {kind: self.clip_factor * scale for kind, scale in self.previous.items()}
 
     def _round_bounds(self) -> dict[str, float]:
         """Return the kept replies' bounds: the previous scale, else this round's median."""
