@@ -27,7 +27,6 @@ from models import get_model, list_models
 from models.base import TesseraModel
 from models.projection import ProjectedModel
 from strategies import get_scheme
-from strategies.core.scales import next_scale
 from strategies.felo.client import FeloClient
 from strategies.felo.cvae import CVAE, CVAEConfig, train_cvae
 from strategies.felo.knowledge import (
@@ -35,10 +34,8 @@ from strategies.felo.knowledge import (
     KNOWLEDGE,
     ClassKnowledge,
     KnowledgeError,
-    bound_knowledge,
     check_knowledge_record,
     class_means,
-    clip_knowledge,
     knowledge_from_arrays,
     knowledge_to_record,
     merge_knowledge,
@@ -830,57 +827,3 @@ def test_felo_native_deployment(tmp_path: Path) -> None:
         assert r["knowledge_classes"] == 10
         assert r["global_accuracy"] is not None
     assert len({c["arch"] for r in rounds for c in r["clients"]}) >= 2
-
-
-def _round_replies(fed: Federation, server_round: int) -> list[ClassKnowledge]:
-    ids = {m.metadata.message_id for m in _train_messages(fed, server_round)}
-    return [
-        record_to_knowledge(r.content.array_records[KNOWLEDGE])
-        for r in fed.grid.replies_of("train")
-        if r.metadata.reply_to_message_id in ids
-    ]
-
-
-@pytest.mark.parametrize("name", ["felo", "fedhe"])
-def test_knowledge_is_folded_against_the_previous_round_s_scale(
-    federation: Callable[[str], Federation], name: str
-) -> None:
-    # Prepare: round 1 has no scale, so its replies are bounded by the round's own
-    # median (knowledge-clip-factor 3); its accepted norms make round 2's scale
-    fed = federation(name)
-    first, second = _round_replies(fed, 1), _round_replies(fed, 2)
-    kinds = ["logits", "features"] if name == "felo" else ["logits"]
-
-    def norms(rows: list[ClassKnowledge], kind: str) -> list[float]:
-        out = np.concatenate(
-            [np.linalg.norm(getattr(p, kind).astype(np.float64), axis=1) for p in rows]
-        )
-        return sorted(out[out > 0].tolist())
-
-    bounded1, _ = bound_knowledge(first, 3.0)
-    scale1 = {k: norms(bounded1, k)[(len(norms(bounded1, k)) - 1) // 2] for k in kinds}
-
-    # Execute: the server's state after round 2
-    targets, scales = fed.server.targets, fed.server.knowledge_scales
-
-    # Assert: round 2 was folded as the replies arrived (none kept), bounded by 3x the
-    # round-1 scale; the targets are that merge; the next scale follows next_scale
-    assert [r["knowledge_buffered"] for r in fed.server.rounds] == [3, 0]
-    bounded2, _ = clip_knowledge(second, {k: 3.0 * s for k, s in scale1.items()})
-    expected = merge_knowledge(bounded2, num_classes=10)
-    assert targets is not None
-    np.testing.assert_allclose(targets.logits, expected.logits, rtol=1e-5, atol=1e-6)
-    if name == "felo":
-        assert targets.features is not None and expected.features is not None
-        np.testing.assert_allclose(targets.features, expected.features, rtol=1e-5, atol=1e-6)
-    for k in kinds:
-        assert scales[k] == pytest.approx(next_scale(norms(bounded2, k), scale1[k], 2.0))
-    assert set(scales) == set(kinds)
-    # the scales travel in the checkpoint
-    assert fed.server.state_dict()["knowledge_scales"] == scales
-
-
-def test_velo_keeps_every_row_for_its_cvae(federation: Callable[[str], Federation]) -> None:
-    fed = federation("velo")
-    assert all("knowledge_buffered" not in r for r in fed.server.rounds)
-    assert fed.server.knowledge_scales == {}

@@ -22,7 +22,6 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from client_app.attacks import PAYLOAD_ATTACKS, install_omniscient
 from server_app.app import build_server
 from strategies import get_scheme
-from strategies.core.scales import next_scale
 from strategies.prototypes.fedproto import FedProtoClient, FedProtoOptions, FedProtoStrategy
 from strategies.prototypes.fedtgp import FedTGPClient, FedTGPOptions, FedTGPStrategy
 from strategies.prototypes.merge import merge_prototypes
@@ -356,7 +355,6 @@ RUNS: dict[str, dict[str, Any]] = {
     # no weight cap and no row bound: the oracle below is the plain count-weighted mean
     "fedproto": {"strategy": "fedproto", "weight-cap": 0.0, "knowledge-clip-factor": 0.0},
     "fedtgp": {"strategy": "fedtgp"},
-    "fedproto-bounded": {"strategy": "fedproto"},
 }
 
 
@@ -629,53 +627,3 @@ def test_every_payload_attack_against_fedtgp_completes_every_round(
     assert clipped <= {hostile}  # an honest node's rows are never clipped
     if attack in ("boost", "sign-flip", "dense-scale"):
         assert clipped == {hostile}
-
-
-def test_fedproto_folds_its_prototypes_against_the_previous_round_s_scale(
-    federation: Callable[[str], Federation],
-) -> None:
-    # Prepare: the default bound (knowledge-clip-factor 3, bound-growth 2), by hand:
-    # round 1 bounds by its own lower median row norm, later rounds by 3x the scale
-    # the round before accepted (lower median, moved by at most 2x a round)
-    fed = federation("fedproto-bounded")
-
-    def rows(server_round: int) -> list[ClassPrototypes]:
-        return [
-            record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES])
-            for r in _replies_of_round(fed, server_round)
-        ]
-
-    def accepted(parts: list[ClassPrototypes], bound: float) -> list[float]:
-        norms = np.concatenate(
-            [np.linalg.norm(p.prototypes.astype(np.float64), axis=1) for p in parts]
-        )
-        return sorted(np.minimum(norms[norms > 0], bound).tolist())
-
-    first = accepted(rows(1), np.inf)
-    scale = first[(len(first) - 1) // 2]
-    scale = next_scale(accepted(rows(1), 3.0 * scale), None, 2.0)
-    scale = next_scale(accepted(rows(2), 3.0 * scale), scale, 2.0)
-
-    # Execute: what round 3 merged
-    sent = fed.server.global_prototypes
-
-    # Assert: round 1 kept its replies, rounds 2 and 3 folded them as they came
-    assert [r["knowledge_buffered"] for r in fed.server.rounds] == [3, 0, 0]
-    bounded = [
-        ClassPrototypes(
-            p.class_ids,
-            p.counts,
-            (
-                p.prototypes
-                * np.minimum(1.0, 3.0 * scale / np.linalg.norm(p.prototypes, axis=1))[:, None]
-            ).astype(np.float32),
-        )
-        for p in rows(3)
-    ]
-    expected = merge_prototypes(bounded, 10, rule="mean")
-    np.testing.assert_array_equal(sent.class_ids, expected.merged.class_ids)
-    np.testing.assert_allclose(sent.prototypes, expected.merged.prototypes, rtol=1e-5, atol=1e-6)
-    assert set(fed.server.knowledge_scales) == {"features"}
-    assert fed.server.state_dict()["knowledge_scales"] == fed.server.knowledge_scales
-    # FedTGP trains on every row: nothing folded
-    assert all("knowledge_buffered" not in r for r in federation("fedtgp").server.rounds)
