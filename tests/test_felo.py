@@ -34,6 +34,7 @@ from strategies.felo.knowledge import (
     KNOWLEDGE,
     ClassKnowledge,
     KnowledgeError,
+    bound_knowledge,
     check_knowledge_record,
     class_means,
     knowledge_from_arrays,
@@ -827,3 +828,61 @@ def test_felo_native_deployment(tmp_path: Path) -> None:
         assert r["knowledge_classes"] == 10
         assert r["global_accuracy"] is not None
     assert len({c["arch"] for r in rounds for c in r["clients"]}) >= 2
+
+
+def _round_replies(fed: Federation, server_round: int) -> list[ClassKnowledge]:
+    ids = {m.metadata.message_id for m in _train_messages(fed, server_round)}
+    return [
+        record_to_knowledge(r.content.array_records[KNOWLEDGE])
+        for r in fed.grid.replies_of("train")
+        if r.metadata.reply_to_message_id in ids
+    ]
+
+
+@pytest.mark.parametrize("name", ["felo", "fedhe"])
+def test_knowledge_folded_as_it_arrives_equals_the_buffered_merge(
+    federation: Callable[[str], Federation], name: str
+) -> None:
+    # Prepare: the buffered merge of round 2's replies (knowledge-clip-factor 3 x the
+    # round's own lower median), and which rows the fold could not take at once: a
+    # norm above 3 x round 1's median / bound-growth 2 in some kind
+    fed = federation(name)
+    first, second = _round_replies(fed, 1), _round_replies(fed, 2)
+    kinds = ["logits", "features"] if name == "felo" else ["logits"]
+
+    def norms(rows: list[ClassKnowledge], kind: str) -> np.ndarray:
+        return np.concatenate(
+            [np.linalg.norm(getattr(p, kind).astype(np.float64), axis=1) for p in rows]
+        )
+
+    def median(rows: list[ClassKnowledge], kind: str) -> float:
+        positive = np.sort(norms(rows, kind)[norms(rows, kind) > 0])
+        return float(positive[(positive.size - 1) // 2])
+
+    expected = merge_knowledge(bound_knowledge(second, 3.0)[0], num_classes=10)
+    above = np.zeros(sum(p.num_classes_present for p in second), dtype=bool)
+    for k in kinds:
+        assert median(second, k) >= median(first, k) / 2.0  # the floor did not bind
+        above |= norms(second, k) > 3.0 * median(first, k) / 2.0
+
+    # Execute: the server's state after round 2
+    targets = fed.server.targets
+
+    # Assert: the same targets; round 1 kept every row, round 2 only those above
+    assert targets is not None
+    np.testing.assert_allclose(targets.logits, expected.logits, rtol=1e-6, atol=1e-7)
+    if name == "felo":
+        assert targets.features is not None and expected.features is not None
+        np.testing.assert_allclose(targets.features, expected.features, rtol=1e-6, atol=1e-7)
+    rows = [sum(p.num_classes_present for p in r) for r in (first, second)]
+    assert [r["knowledge_rows"] for r in fed.server.rounds] == rows
+    assert [r["knowledge_kept"] for r in fed.server.rounds] == [rows[0], int(above.sum())]
+    assert fed.server.knowledge_scales == pytest.approx({k: median(second, k) for k in kinds})
+    # the medians travel in the checkpoint
+    assert fed.server.state_dict()["knowledge_scales"] == fed.server.knowledge_scales
+
+
+def test_velo_keeps_every_row_for_its_cvae(federation: Callable[[str], Federation]) -> None:
+    fed = federation("velo")
+    assert all("knowledge_kept" not in r for r in fed.server.rounds)
+    assert fed.server.knowledge_scales == {}

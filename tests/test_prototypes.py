@@ -355,6 +355,7 @@ RUNS: dict[str, dict[str, Any]] = {
     # no weight cap and no row bound: the oracle below is the plain count-weighted mean
     "fedproto": {"strategy": "fedproto", "weight-cap": 0.0, "knowledge-clip-factor": 0.0},
     "fedtgp": {"strategy": "fedtgp"},
+    "fedproto-bounded": {"strategy": "fedproto"},
 }
 
 
@@ -627,3 +628,40 @@ def test_every_payload_attack_against_fedtgp_completes_every_round(
     assert clipped <= {hostile}  # an honest node's rows are never clipped
     if attack in ("boost", "sign-flip", "dense-scale"):
         assert clipped == {hostile}
+
+
+def test_fedproto_folded_as_it_arrives_equals_the_buffered_merge(
+    federation: Callable[[str], Federation],
+) -> None:
+    # Prepare: the buffered merge of round 3's replies (every row clipped to
+    # knowledge-clip-factor 3 x the round's lower median norm)
+    fed = federation("fedproto-bounded")
+
+    def rows(server_round: int) -> list[ClassPrototypes]:
+        return [
+            record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES])
+            for r in _replies_of_round(fed, server_round)
+        ]
+
+    def median(parts: list[ClassPrototypes]) -> float:
+        norms = np.sort(
+            np.concatenate([np.linalg.norm(p.prototypes.astype(np.float64), axis=1) for p in parts])
+        )
+        return float(norms[(norms.size - 1) // 2])
+
+    expected = merge_prototypes(rows(3), 10, rule="mean", clip_factor=3.0)
+    assert median(rows(3)) >= median(rows(2)) / 2.0  # the floor did not bind
+
+    # Execute: what round 3 merged
+    sent = fed.server.global_prototypes
+
+    # Assert: the same prototypes; round 1 kept every row, later rounds fewer
+    np.testing.assert_array_equal(sent.class_ids, expected.merged.class_ids)
+    np.testing.assert_allclose(sent.prototypes, expected.merged.prototypes, rtol=1e-6, atol=1e-7)
+    kept = [r["knowledge_kept"] for r in fed.server.rounds]
+    total = [r["knowledge_rows"] for r in fed.server.rounds]
+    assert kept[0] == total[0] and all(k < t for k, t in zip(kept[1:], total[1:], strict=True))
+    assert fed.server.knowledge_scales == pytest.approx({"features": median(rows(3))})
+    assert fed.server.state_dict()["knowledge_scales"] == fed.server.knowledge_scales
+    # FedTGP trains on every row: nothing folded
+    assert all("knowledge_kept" not in r for r in federation("fedtgp").server.rounds)

@@ -128,7 +128,12 @@ def nothing_restored(name: str, server: Any) -> bool:
     """Whether the scheme's own state of ``server`` is still that of a new server."""
     if name in ("felo", "velo"):
         velo_empty = name == "felo" or (server.feature_bank == [] and server.cvae is None)
-        return server.targets is None and server.models.arrays == {} and velo_empty
+        return (
+            server.targets is None
+            and server.models.arrays == {}
+            and server.knowledge_scales == {}
+            and velo_empty
+        )
     if name == "fedhenn":
         return server.target is None and server.rad_holders == {}
     return bool(server.personal == {})
@@ -233,6 +238,22 @@ TAMPERINGS = [
     ),
     ("felo", _set("targets.counts", lambda c: c * 0), r"'targets\.counts' holds a count <= 0"),
     ("felo", _set("targets", lambda _: [1]), r"'targets' is \[1\] \(list\); expected a mapping"),
+    # felo: the knowledge scales (a restored bound is never switched off)
+    (
+        "felo",
+        _set("knowledge_scales.logits", lambda _: float("nan")),
+        r"'knowledge_scales\.logits' is nan",
+    ),
+    (
+        "felo",
+        _set("knowledge_scales.features", lambda _: 1e30),
+        r"'knowledge_scales\.features' is 1e\+30",
+    ),
+    (
+        "felo",
+        _set("knowledge_scales.weights", lambda _: 1.0),
+        r"'knowledge_scales\.weights' is not a kind",
+    ),
     # velo: the feature bank and the CVAE
     ("velo", _set("bank_features", nan), r"'bank_features' holds NaN"),
     (
@@ -331,6 +352,9 @@ def test_an_intact_scheme_checkpoint_is_restored(
     if name in ("felo", "velo"):
         for key, value in run.state["targets"].items():
             np.testing.assert_array_equal(again["targets"][key], value)
+        assert again["knowledge_scales"] == run.state["knowledge_scales"]
+    if name == "felo":  # round 1 set the scales the next round's fold bounds by
+        assert set(run.state["knowledge_scales"]) == {"logits", "features"}
     if name == "velo":
         for key in ("bank_rounds", "bank_sizes", "bank_ids", "bank_features", "cvae_classes"):
             np.testing.assert_array_equal(again[key], run.state[key])

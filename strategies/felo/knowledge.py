@@ -22,7 +22,7 @@ features, ``features`` (float32, ``(K, feature_dim)``). The client sends it as r
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -42,6 +42,8 @@ CLASS_IDS = "class-ids"
 COUNTS = "counts"
 FEATURES = "features"
 LOGITS = "logits"
+KINDS = (LOGITS, FEATURES)
+"""The kinds of per-class rows, each bounded against its own cohort."""
 
 
 class KnowledgeError(ValueError):
@@ -239,34 +241,49 @@ def _lower_median(values: np.ndarray) -> float:
     return float(ordered[(ordered.size - 1) // 2])
 
 
-def bound_knowledge(
-    parts: Sequence[ClassKnowledge], clip_factor: float
-) -> tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]:
-    """Clip every per-class vector to ``clip_factor`` times the cohort's median norm.
+def knowledge_bounds(parts: Sequence[ClassKnowledge], clip_factor: float) -> dict[str, float]:
+    """Return the round's own row bound per kind: ``clip_factor`` x the lower median norm.
 
     The logits rows of all parts (every client, every class) form one cohort, the
-    feature rows another; a row whose L2 norm exceeds ``clip_factor`` times the
-    lower median of the cohort's positive norms is scaled down to that bound, so no
-    client can make every client's target arbitrarily large. ``clip_factor <= 0``
-    returns the parts unchanged.
+    feature rows another; a kind with no positive norm (or ``clip_factor <= 0``) has
+    no bound.
+
+    Examples
+    --------
+    >>> k = ClassKnowledge(np.array([0, 1]), np.array([1, 1]), np.array([[3.0, 4.0], [0, 1]]))
+    >>> knowledge_bounds([k], 2.0)  # logits norms (5, 1): lower median 1
+    {'logits': 2.0}
+    """
+    bounds: dict[str, float] = {}
+    if clip_factor <= 0:
+        return bounds
+    for kind in KINDS:
+        rows = [getattr(p, kind) for p in parts if getattr(p, kind) is not None]
+        if not rows:
+            continue
+        norms = np.concatenate([row_norms(r) for r in rows])
+        positive = norms[norms > 0]
+        if positive.size:
+            bounds[kind] = clip_factor * _lower_median(positive)
+    return bounds
+
+
+def row_norms(values: np.ndarray) -> np.ndarray:
+    """Return the float64 L2 norm of every row of ``values``."""
+    return np.asarray(np.linalg.norm(values.astype(np.float64), axis=1))
+
+
+def clip_knowledge(
+    parts: Sequence[ClassKnowledge], bounds: Mapping[str, float]
+) -> tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]:
+    """Scale every row whose L2 norm exceeds its kind's bound down to that bound.
 
     Returns
     -------
     tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]
         The bounded parts, and one ``(part index, "logits" | "features", largest
-        norm, bound)`` per part whose rows were clipped.
+        norm, bound)`` per part and kind that was clipped.
     """
-    if clip_factor <= 0 or not parts:
-        return list(parts), []
-    bounds: dict[str, float] = {}
-    for kind in ("logits", "features"):
-        rows = [getattr(p, kind) for p in parts if getattr(p, kind) is not None]
-        if not rows:
-            continue
-        norms = np.concatenate([np.linalg.norm(r.astype(np.float64), axis=1) for r in rows])
-        positive = norms[norms > 0]
-        if positive.size:
-            bounds[kind] = clip_factor * _lower_median(positive)
     out: list[ClassKnowledge] = []
     clips: list[tuple[int, str, float, float]] = []
     for i, part in enumerate(parts):
@@ -283,6 +300,79 @@ def bound_knowledge(
                 clips.append((i, kind, float(norms.max()), bound))
         out.append(replace(part, **changed) if changed else part)
     return out, clips
+
+
+def bound_knowledge(
+    parts: Sequence[ClassKnowledge], clip_factor: float
+) -> tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]:
+    """Clip every per-class vector to ``clip_factor`` times the cohort's median norm.
+
+    The bounds are :func:`knowledge_bounds` (the round's own rows); a row whose L2
+    norm exceeds its kind's bound is scaled down to it (:func:`clip_knowledge`), so
+    no client can make every client's target arbitrarily large. ``clip_factor <= 0``
+    returns the parts unchanged.
+
+    Returns
+    -------
+    tuple[list[ClassKnowledge], list[tuple[int, str, float, float]]]
+        The bounded parts, and one ``(part index, "logits" | "features", largest
+        norm, bound)`` per part whose rows were clipped.
+    """
+    if clip_factor <= 0 or not parts:
+        return list(parts), []
+    return clip_knowledge(parts, knowledge_bounds(parts, clip_factor))
+
+
+class KnowledgeSums:
+    """The count-weighted per-class sums the ``mean`` merge divides: O(classes x width).
+
+    Parameters
+    ----------
+    num_classes : int
+        Number of classes of the task (the logit width).
+    feature_dim : int | None
+        Width of the features summed, or ``None`` to sum the logits alone.
+    """
+
+    def __init__(self, num_classes: int, feature_dim: int | None) -> None:
+        self.counts = np.zeros(num_classes, dtype=np.int64)
+        self.logits = np.zeros((num_classes, num_classes), dtype=np.float64)
+        self.features = (
+            None if feature_dim is None else np.zeros((num_classes, feature_dim), dtype=np.float64)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the sums hold."""
+        extra = 0 if self.features is None else self.features.nbytes
+        return int(self.counts.nbytes + self.logits.nbytes + extra)
+
+    def add(self, part: ClassKnowledge) -> None:
+        """Add ``n_kc * row_kc`` of every class ``c`` of ``part`` (and ``n_kc`` to its count)."""
+        n = part.counts.astype(np.float64)[:, None]
+        self.counts[part.class_ids] += part.counts
+        self.logits[part.class_ids] += n * part.logits.astype(np.float64)
+        if self.features is not None:
+            assert part.features is not None  # checked by the caller
+            self.features[part.class_ids] += n * part.features.astype(np.float64)
+
+    def means(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Return the classes present and their float64 mean logits (and features)."""
+        present = np.flatnonzero(self.counts > 0)
+        total = self.counts[present].astype(np.float64)[:, None]
+        logits = self.logits[present] / total
+        features = None if self.features is None else self.features[present] / total
+        return present, logits, features
+
+    def merged(self) -> ClassKnowledge:
+        """Return the count-weighted means as float32 knowledge with summed counts."""
+        present, logits, features = self.means()
+        return ClassKnowledge(
+            class_ids=present.astype(np.int64),
+            counts=self.counts[present],
+            logits=logits.astype(np.float32),
+            features=None if features is None else features.astype(np.float32),
+        )
 
 
 def _robust_rows(stack: np.ndarray, rule: str, trim_fraction: float) -> np.ndarray:
@@ -345,36 +435,25 @@ def merge_knowledge(
             f"logit widths {sorted(logit_dims)} (expected {num_classes}) and feature "
             f"widths {sorted(feature_dims)} must agree across clients"
         )
-    counts = np.zeros(num_classes, dtype=np.int64)
-    logit_sums = np.zeros((num_classes, num_classes), dtype=np.float64)
     dim = feature_dims.pop() if feature_dims else 0
-    feature_sums = np.zeros((num_classes, dim), dtype=np.float64)
+    sums = KnowledgeSums(num_classes, dim if with_features else None)
     for part in parts:
-        n = part.counts.astype(np.float64)[:, None]
-        counts[part.class_ids] += part.counts
-        logit_sums[part.class_ids] += n * part.logits.astype(np.float64)
-        if with_features:
-            assert part.features is not None
-            feature_sums[part.class_ids] += n * part.features.astype(np.float64)
-    present = np.flatnonzero(counts > 0)
-    total = counts[present].astype(np.float64)[:, None]
-    logits = logit_sums[present] / total
-    features = feature_sums[present] / total if with_features else None
-    if rule != "mean":
-        for row, c in enumerate(present):
-            holders = [(p, np.flatnonzero(p.class_ids == c)) for p in parts]
-            rows = [(p, int(j[0])) for p, j in holders if j.size]
-            logits[row] = _robust_rows(
-                np.stack([p.logits[j].astype(np.float64) for p, j in rows]), rule, trim_fraction
-            )
-            if features is not None:
-                feats = [p.features[j] for p, j in rows if p.features is not None]
-                features[row] = _robust_rows(
-                    np.stack(feats).astype(np.float64), rule, trim_fraction
-                )
+        sums.add(part)
+    if rule == "mean":
+        return sums.merged()
+    present, logits, features = sums.means()
+    for row, c in enumerate(present):
+        holders = [(p, np.flatnonzero(p.class_ids == c)) for p in parts]
+        rows = [(p, int(j[0])) for p, j in holders if j.size]
+        logits[row] = _robust_rows(
+            np.stack([p.logits[j].astype(np.float64) for p, j in rows]), rule, trim_fraction
+        )
+        if features is not None:
+            feats = [p.features[j] for p, j in rows if p.features is not None]
+            features[row] = _robust_rows(np.stack(feats).astype(np.float64), rule, trim_fraction)
     return ClassKnowledge(
         class_ids=present.astype(np.int64),
-        counts=counts[present],
+        counts=sums.counts[present],
         logits=logits.astype(np.float32),
         features=None if features is None else features.astype(np.float32),
     )

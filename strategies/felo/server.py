@@ -1,7 +1,9 @@
 """Felo's server and FedHe's.
 
 Felo: count-weighted per-class averages, weights by architecture group. FedHe:
-logits only.
+logits only. Under the default ``knowledge-merge=mean`` both fold each reply's rows
+that cannot be clipped as it arrives (:mod:`strategies.felo.fold`); Velo keeps every
+row.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, replace
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +23,13 @@ from strategies.core.context import RoundContext
 from strategies.core.groups import GroupModels, GroupRound, NonFiniteStateError, fold_weights
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
+from strategies.felo.fold import (
+    KNOWLEDGE_SCALES,
+    FoldResult,
+    KnowledgeFold,
+    KnowledgeRound,
+    scales_from_state,
+)
 from strategies.felo.knowledge import (
     CLASS_TARGETS,
     KNOWLEDGE,
@@ -38,13 +47,36 @@ from tessera import wire
 log = logging.getLogger("flwr.tessera")
 
 
+class RoundMerge(NamedTuple):
+    """A round's knowledge merge (:meth:`FeloStrategy.merge_round`)."""
+
+    parts: list[ClassKnowledge]
+    """The bounded parts, or none when folded (their rows are gone)."""
+    merged: ClassKnowledge
+    clips: list[tuple[int, str, float, float]]
+    """``(node id, kind, largest row norm, bound)`` per reply and kind clipped."""
+    folded: FoldResult | None
+    """The fold's result (the next scales), or ``None`` when merged here."""
+
+
 class FeloStrategy(HeteroStrategy[FeloOptions]):
-    """Felo's server: per-class averages of knowledge, FedAvg within architecture groups."""
+    """Felo's server: per-class averages of knowledge, FedAvg within architecture groups.
+
+    Under ``knowledge-merge=mean`` (the default) each reply's rows that cannot be
+    clipped are folded as it arrives and dropped, the others kept to the round's end
+    (:mod:`strategies.felo.fold`), unless the scheme keeps every row
+    (:attr:`keeps_rows`: Velo trains its CVAE on them).
+    """
+
+    keeps_rows: ClassVar[bool] = False
+    """Whether :meth:`make_targets` needs every reply's rows (then nothing is folded)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
         self.targets: ClassKnowledge | None = None
+        self.knowledge_scales: dict[str, float] = {}
+        """The last committed round's median row norm per kind (:class:`KnowledgeFold`)."""
 
     @property
     def felo(self) -> FeloOptions:
@@ -90,11 +122,64 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         arrays = self.array_spec(arch) if self.felo.share_weights else None
         return ReplySchema(arrays=arrays, extra=check)
 
+    def streams_knowledge(self) -> bool:
+        """Whether the knowledge is folded as it arrives (``mean`` merge, rows not kept)."""
+        return not self.keeps_rows and self.env.run.aggregation.knowledge_merge == "mean"
+
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
-        """Fold the weights (when shared) into the group's accumulator."""
+        """Fold the knowledge (see :meth:`streams_knowledge`) and the shared weights.
+
+        The knowledge is checked before the weights are folded and added after, so a
+        reply refused by either leaves nothing behind.
+        """
+        if self.streams_knowledge():
+            agg = self.env.run.aggregation
+            state = ctx.state(
+                KnowledgeRound,
+                lambda: KnowledgeRound(
+                    KnowledgeFold(
+                        self.env.num_classes,
+                        clip_factor=agg.knowledge_clip_factor,
+                        previous=self.knowledge_scales,
+                        growth=agg.bound_growth,
+                    )
+                ),
+            )
+            # a node's counts weigh at most what the round lets it weigh (weight-cap)
+            knowledge = cap_counts(
+                record_to_knowledge(reply.content.array_records[KNOWLEDGE]), reply.weight
+            )
+            state.fold.check(knowledge)
+            if self.felo.share_weights:
+                reply = fold_weights(self.models, ctx.state(GroupRound), reply)
+            state.fold.add(knowledge, reply.node_id)
+            content = RecordDict({k: v for k, v in reply.content.items() if k != KNOWLEDGE})
+            return replace(reply, content=content)
         if not self.felo.share_weights:
             return reply
         return fold_weights(self.models, ctx.state(GroupRound), reply)
+
+    def merge_round(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> RoundMerge:
+        """Return the round's merge: folded (:meth:`fold`), or bounded and merged here."""
+        run = self.env.run
+        folded = ctx.scheme_state.get(KnowledgeRound)
+        if isinstance(folded, KnowledgeRound):
+            result = folded.fold.result()
+            return RoundMerge([], result.merged, result.clips, result)
+        # a node's counts weigh at most what the round lets it weigh (weight-cap)
+        received = [
+            cap_counts(record_to_knowledge(r.content.array_records[KNOWLEDGE]), r.weight)
+            for r in replies
+        ]
+        parts, clips = bound_knowledge(received, run.aggregation.knowledge_clip_factor)
+        merged = merge_knowledge(
+            parts,
+            self.env.num_classes,
+            rule=run.aggregation.knowledge_merge,
+            trim_fraction=run.aggregation.trim_fraction,
+        )
+        clips = [(replies[i].node_id, k, n, b) for i, k, n, b in clips]
+        return RoundMerge(parts, merged, clips, None)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Bound and merge the class knowledge, make the targets, commit the group models.
@@ -104,28 +189,17 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         """
         run = self.env.run
         extra: dict[str, Any] = {}
-        # a node's counts weigh at most what the round lets it weigh (weight-cap)
-        received = [
-            cap_counts(record_to_knowledge(r.content.array_records[KNOWLEDGE]), r.weight)
-            for r in replies
-        ]
-        parts, clips = bound_knowledge(received, run.aggregation.knowledge_clip_factor)
-        for i, kind, norm, bound in clips:
+        parts, merged, clips, folded = self.merge_round(ctx, replies)
+        for node, kind, norm, bound in clips:
             log.info(
                 "round %d: node %d's %s clipped from norm %.4g to %.4g (knowledge-clip-factor %g)",
                 ctx.server_round,
-                replies[i].node_id,
+                node,
                 kind,
                 norm,
                 bound,
                 run.aggregation.knowledge_clip_factor,
             )
-        merged = merge_knowledge(
-            parts,
-            self.env.num_classes,
-            rule=run.aggregation.knowledge_merge,
-            trim_fraction=run.aggregation.trim_fraction,
-        )
         saved = self.target_state()
         try:
             targets, target_metrics = self.make_targets(ctx.server_round, parts, merged)
@@ -144,9 +218,13 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
             self.restore_target_state(saved)
             raise
         self.targets = targets
+        if folded is not None:
+            self.knowledge_scales = folded.scales
+            extra["knowledge_kept"] = folded.kept
+            extra["knowledge_rows"] = folded.rows
         extra["knowledge_clipped"] = [
-            {"node": replies[i].node_id, "kind": kind, "norm": norm, "bound": bound}
-            for i, kind, norm, bound in clips
+            {"node": node, "kind": kind, "norm": norm, "bound": bound}
+            for node, kind, norm, bound in clips
         ]
         extra["knowledge_classes"] = merged.num_classes_present
         extra.update(target_metrics)
@@ -179,6 +257,7 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
             **super().state_dict(),
             "group_models": self.models.state_dict(),
             "targets": None if self.targets is None else knowledge_state(self.targets),
+            KNOWLEDGE_SCALES: dict(self.knowledge_scales),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -211,9 +290,11 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
     def checked_scheme_state(self, state: Mapping[str, Any]) -> Callable[[], None]:
         """Check the scheme's own checkpoint entries; return what assigns them.
 
-        Felo's entry is ``targets``: ``None`` (before the first aggregation) or the
+        Felo's entries are ``targets``: ``None`` (before the first aggregation) or the
         per-class knowledge of :func:`knowledge_from_state`, with features of width
-        ``feature-dim`` when the scheme exchanges features and none otherwise.
+        ``feature-dim`` when the scheme exchanges features and none otherwise; and
+        ``knowledge_scales`` (:func:`~strategies.felo.fold.scales_from_state`; an
+        older checkpoint without it bounds its next round by that round's own rows).
         Subclasses extend it (``super().checked_scheme_state(state)`` first).
 
         Parameters
@@ -235,6 +316,10 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         from tessera.state_checks import StateFileError, get_mapping
 
         targets: ClassKnowledge | None = None
+        try:
+            scales = scales_from_state(state)
+        except StateFileError as err:
+            raise refusal(state, err) from err
         if state.get("targets") is not None:
             try:
                 tree = get_mapping(state, "targets")
@@ -248,6 +333,7 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
 
         def restore() -> None:
             self.targets = targets
+            self.knowledge_scales = scales
 
         return restore
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ def checked_cvae(state: Mapping[str, Any], key: str, config: CVAEConfig) -> CVAE
 
 class VeloStrategy(FeloStrategy):
     """Velo's server: synthetic per-class features from a conditional VAE."""
+
+    keeps_rows: ClassVar[bool] = True
+    """The CVAE trains on every received feature row, so the knowledge is not folded."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

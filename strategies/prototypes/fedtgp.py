@@ -24,7 +24,7 @@ import copy
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -88,6 +88,9 @@ class _Trained:
 
 class FedTGPStrategy(PrototypeStrategy[FedTGPOptions]):
     """FedTGP's server: trains its prototype network every round (module docstring)."""
+
+    keeps_rows: ClassVar[bool] = True
+    """The network trains on every node's bounded row, so nothing is folded."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

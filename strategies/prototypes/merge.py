@@ -31,7 +31,7 @@ from strategies.felo.knowledge import (
 )
 from strategies.prototypes.payload import ClassPrototypes
 
-__all__ = ["PrototypeMerge", "merge_prototypes"]
+__all__ = ["PrototypeMerge", "as_knowledge", "as_prototypes", "merge_prototypes"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class PrototypeMerge:
     merged : ClassPrototypes
         One prototype per class some client holds, counts summed (after capping).
     bounded : list[ClassPrototypes]
-        Each client's prototypes after capping and clipping, in input order.
+        Each client's prototypes after capping and clipping, in input order (empty
+        when the server folded them as they arrived, :mod:`strategies.felo.fold`).
     clips : list[tuple[int, float, float]]
         ``(part index, largest row norm, bound)`` per part whose rows were clipped.
     """
@@ -63,12 +64,14 @@ class PrototypeMerge:
         return torch.from_numpy(rows), torch.from_numpy(labels)
 
 
-def _as_knowledge(protos: ClassPrototypes, num_classes: int) -> ClassKnowledge:
+def as_knowledge(protos: ClassPrototypes, num_classes: int) -> ClassKnowledge:
+    """Return ``protos`` as Felo's knowledge: the prototypes as features, all-zero logits."""
     zeros = np.zeros((protos.class_ids.shape[0], num_classes), dtype=np.float32)
     return ClassKnowledge(protos.class_ids, protos.counts, zeros, protos.prototypes)
 
 
-def _as_prototypes(knowledge: ClassKnowledge) -> ClassPrototypes:
+def as_prototypes(knowledge: ClassKnowledge) -> ClassPrototypes:
+    """Return the features of ``knowledge`` (made by :func:`as_knowledge`) as prototypes."""
     assert knowledge.features is not None  # every part given to Felo's merge had them
     return ClassPrototypes(knowledge.class_ids, knowledge.counts, knowledge.features)
 
@@ -113,7 +116,7 @@ def merge_prototypes(
     KnowledgeError
         If ``parts`` is empty, the widths disagree or the rule is unknown.
     """
-    knowledge = [_as_knowledge(p, num_classes) for p in parts]
+    knowledge = [as_knowledge(p, num_classes) for p in parts]
     if max_weights is not None:
         knowledge = [
             k if cap is None else cap_counts(k, cap)
@@ -122,7 +125,7 @@ def merge_prototypes(
     bounded, clips = bound_knowledge(knowledge, clip_factor)
     merged = merge_knowledge(bounded, num_classes, rule=rule, trim_fraction=trim_fraction)
     return PrototypeMerge(
-        merged=_as_prototypes(merged),
-        bounded=[_as_prototypes(k) for k in bounded],
+        merged=as_prototypes(merged),
+        bounded=[as_prototypes(k) for k in bounded],
         clips=[(i, norm, bound) for i, kind, norm, bound in clips if kind == "features"],
     )

@@ -12,7 +12,9 @@ valid ``class-prototypes`` record in every reply
 (:func:`~strategies.prototypes.payload.check_prototype_record`, before any
 arithmetic), merges the accepted ones robustly
 (:func:`~strategies.prototypes.merge.merge_prototypes`: counts capped, rows
-bounded, run-config ``knowledge-merge``) and turns the result into the next global
+bounded, run-config ``knowledge-merge``; FedProto's default ``mean`` folds the rows
+that cannot be clipped as they arrive, :mod:`strategies.felo.fold`) and turns the
+result into the next global
 prototypes with :meth:`PrototypeStrategy.make_global`: FedProto sends the merge
 itself, FedTGP trains its generator on the bounded client prototypes. Nothing is
 committed unless every value is finite; otherwise the round is skipped and the
@@ -24,8 +26,8 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, replace
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import RecordDict
@@ -34,8 +36,21 @@ from strategies.core.context import RoundContext, ServerEnv
 from strategies.core.groups import NonFiniteStateError
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
+from strategies.felo.fold import (
+    KNOWLEDGE_SCALES,
+    FoldResult,
+    KnowledgeFold,
+    KnowledgeRound,
+    scales_from_state,
+)
+from strategies.felo.knowledge import cap_counts
 from strategies.prototypes.head import initial_head
-from strategies.prototypes.merge import PrototypeMerge, merge_prototypes
+from strategies.prototypes.merge import (
+    PrototypeMerge,
+    as_knowledge,
+    as_prototypes,
+    merge_prototypes,
+)
 from strategies.prototypes.options import FeatureOptionsT, PrototypeOptionsT
 from strategies.prototypes.payload import (
     CLASS_IDS,
@@ -57,6 +72,7 @@ log = logging.getLogger("flwr.tessera")
 __all__ = [
     "GlobalHeadStrategy",
     "PrototypeStrategy",
+    "log_clips",
     "merge_replies",
     "options_document",
     "prototype_schema",
@@ -65,12 +81,51 @@ __all__ = [
 
 
 class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
-    """Server of a prototype scheme (module docstring); subclasses override :meth:`make_global`."""
+    """Server of a prototype scheme (module docstring); subclasses override :meth:`make_global`.
+
+    Under ``knowledge-merge=mean`` (the default) each reply's prototypes that cannot
+    be clipped are folded as they arrive and dropped, the others kept to the round's
+    end (:mod:`strategies.felo.fold`), unless the scheme trains on every row
+    (:attr:`keeps_rows`: FedTGP).
+    """
+
+    keeps_rows: ClassVar[bool] = False
+    """Whether :meth:`make_global` needs every reply's bounded rows (then nothing is folded)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.global_prototypes: ClassPrototypes | None = None
         """What the next round sends (``None`` before the first aggregation)."""
+        self.knowledge_scales: dict[str, float] = {}
+        """The last committed round's median row norm (:mod:`strategies.felo.fold`)."""
+
+    def streams_knowledge(self) -> bool:
+        """Whether the prototypes are folded as they arrive (``mean`` merge, rows not kept)."""
+        return not self.keeps_rows and self.env.run.aggregation.knowledge_merge == "mean"
+
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Bound and fold the reply's prototypes and drop them (:meth:`streams_knowledge`)."""
+        if not self.streams_knowledge():
+            return reply
+        agg = self.env.run.aggregation
+        state = ctx.state(
+            KnowledgeRound,
+            lambda: KnowledgeRound(
+                KnowledgeFold(
+                    self.env.num_classes,
+                    clip_factor=agg.knowledge_clip_factor,
+                    previous=self.knowledge_scales,
+                    growth=agg.bound_growth,
+                )
+            ),
+        )
+        protos = record_to_prototypes(reply.content.array_records[CLASS_PROTOTYPES])
+        # a node's counts weigh at most what the round lets it weigh (weight-cap)
+        state.fold.add(
+            cap_counts(as_knowledge(protos, self.env.num_classes), reply.weight), reply.node_id
+        )
+        content = RecordDict({k: v for k, v in reply.content.items() if k != CLASS_PROTOTYPES})
+        return replace(reply, content=content)
 
     def node_content(self, ctx: RoundContext, node_id: int, arch: str) -> RecordDict:
         """Config and, after round 1, the global prototypes (one record shared by all)."""
@@ -88,14 +143,28 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Merge the prototypes robustly, make the next global ones, commit if finite."""
-        merge, clipped = merge_replies(ctx, replies, self.env)
+        folded = ctx.scheme_state.get(KnowledgeRound)
+        result: FoldResult | None = None
+        if isinstance(folded, KnowledgeRound):
+            result = folded.fold.result()
+            merge = PrototypeMerge(merged=as_prototypes(result.merged), bounded=[], clips=[])
+            clips = [(node, n, b) for node, kind, n, b in result.clips if kind == "features"]
+            clipped = log_clips(ctx, clips, self.env)
+        else:
+            merge, clipped = merge_replies(ctx, replies, self.env)
         protos, metrics = self.make_global(ctx, merge)
         if not np.all(np.isfinite(protos.prototypes)):
             raise NonFiniteStateError("the global prototypes are not finite")
         self.commit_global(ctx, protos)
+        extra: dict[str, Any] = {}
+        if result is not None:
+            self.knowledge_scales = result.scales
+            extra["knowledge_kept"] = result.kept
+            extra["knowledge_rows"] = result.rows
         accuracies = [r.metrics[PROTO_ACCURACY] for r in replies if PROTO_ACCURACY in r.metrics]
         return {
             **metrics,
+            **extra,
             "prototype_classes": int(protos.class_ids.shape[0]),
             "prototypes_clipped": clipped,
             "proto_accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
@@ -131,6 +200,7 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
                 COUNTS: protos.counts,
                 PROTOTYPES: protos.prototypes,
             },
+            KNOWLEDGE_SCALES: dict(self.knowledge_scales),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -152,15 +222,23 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
         (:func:`~strategies.prototypes.payload.prototype_problem`). Subclasses
         extend it (``super().checked_scheme_state(state)`` first).
         """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError
+
         protos = prototypes_from_state(
             state,
             "global_prototypes",
             num_classes=self.env.num_classes,
             feature_dim=self.options.feature_dim,
         )
+        try:
+            scales = scales_from_state(state)
+        except StateFileError as err:
+            raise refusal(state, err) from err
 
         def restore() -> None:
             self.global_prototypes = protos
+            self.knowledge_scales = scales
 
         return restore
 
@@ -235,20 +313,25 @@ def merge_replies(
         clip_factor=agg.knowledge_clip_factor,
         max_weights=[r.weight for r in replies],
     )
-    for i, norm, bound in merge.clips:
+    clips = [(replies[i].node_id, norm, bound) for i, norm, bound in merge.clips]
+    return merge, log_clips(ctx, clips, env)
+
+
+def log_clips(
+    ctx: RoundContext, clips: Sequence[tuple[int, float, float]], env: ServerEnv
+) -> list[dict[str, Any]]:
+    """Log each ``(node id, largest row norm, bound)`` clip; return them as round records."""
+    for node, norm, bound in clips:
         log.info(
             "round %d: node %d's prototypes clipped from norm %.4g to %.4g "
             "(knowledge-clip-factor %g)",
             ctx.server_round,
-            replies[i].node_id,
+            node,
             norm,
             bound,
-            agg.knowledge_clip_factor,
+            env.run.aggregation.knowledge_clip_factor,
         )
-    clipped = [
-        {"node": replies[i].node_id, "norm": norm, "bound": bound} for i, norm, bound in merge.clips
-    ]
-    return merge, clipped
+    return [{"node": node, "norm": norm, "bound": bound} for node, norm, bound in clips]
 
 
 class GlobalHeadStrategy(HeteroStrategy[FeatureOptionsT]):
