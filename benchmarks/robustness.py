@@ -345,7 +345,9 @@ def run_cell(
         The cell's fields and, from the last round: ``global_accuracy``,
         ``honest_accuracy`` (mean personalised accuracy of the honest clients),
         ``attack_success`` (label-flip), and over the run: clipped, rejected and
-        failed counts, skipped rounds, the attackers' partitions, the wall seconds;
+        failed counts, skipped rounds, the attackers' partitions, the wall seconds,
+        and per round the knowledge rows a fold kept to the round's end and received
+        (``knowledge_kept_by_round``, ``knowledge_rows_by_round``);
         ``stopped`` is the reason when the run stopped early (``max-failed-rounds``
         rounds in a row skipped, e.g. every honest client failing), else ``None``.
     """
@@ -398,6 +400,10 @@ def run_cell(
         "global_accuracy_by_round": [r.get("global_accuracy") for r in records],
         "clipped": sum(len(r.get("clipped", [])) for r in records),
         "knowledge_clipped": sum(len(r.get("knowledge_clipped", [])) for r in records),
+        # rows a knowledge fold kept to each round's end, of the rows it received
+        # (Felo, FedHe, FedProto under the mean merge; None where nothing is folded)
+        "knowledge_kept_by_round": [r.get("knowledge_kept") for r in records],
+        "knowledge_rows_by_round": [r.get("knowledge_rows") for r in records],
         "rejected": sum(len(r.get("rejected", [])) for r in records),
         "failed": sum(len(r.get("failed", [])) for r in records),
         "skipped_rounds": sum(1 for r in records if r.get("skipped")),
