@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strategies.core.aggregators import lower_median
+from strategies.core.context import RoundContext, ServerEnv
 from strategies.felo.knowledge import (
     KINDS,
     ClassKnowledge,
@@ -44,6 +45,7 @@ __all__ = [
     "FoldResult",
     "KnowledgeFold",
     "KnowledgeRound",
+    "round_fold",
     "scales_from_state",
 ]
 
@@ -242,6 +244,26 @@ class KnowledgeRound:
     """One round's :class:`KnowledgeFold`, kept in the round context (``ctx.state``)."""
 
     fold: KnowledgeFold
+
+
+def round_fold(ctx: RoundContext, env: ServerEnv, previous: Mapping[str, float]) -> KnowledgeFold:
+    """Return the round's :class:`KnowledgeFold`, made on the round's first reply.
+
+    Bounded by run-config ``knowledge-clip-factor`` and ``bound-growth`` against the
+    previous round's medians ``previous``; kept in the round context.
+    """
+    agg = env.run.aggregation
+
+    def build() -> KnowledgeRound:
+        fold = KnowledgeFold(
+            env.num_classes,
+            clip_factor=agg.knowledge_clip_factor,
+            previous=previous,
+            growth=agg.bound_growth,
+        )
+        return KnowledgeRound(fold)
+
+    return ctx.state(KnowledgeRound, build).fold
 
 
 def scales_from_state(state: Mapping[str, object]) -> dict[str, float]:

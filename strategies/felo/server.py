@@ -26,8 +26,8 @@ from strategies.core.validation import ClientReply, ReplySchema
 from strategies.felo.fold import (
     KNOWLEDGE_SCALES,
     FoldResult,
-    KnowledgeFold,
     KnowledgeRound,
+    round_fold,
     scales_from_state,
 )
 from strategies.felo.knowledge import (
@@ -76,7 +76,7 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
         self.targets: ClassKnowledge | None = None
         self.knowledge_scales: dict[str, float] = {}
-        """The last committed round's median row norm per kind (:class:`KnowledgeFold`)."""
+        """The last committed round's median row norm per kind (:mod:`strategies.felo.fold`)."""
 
     @property
     def felo(self) -> FeloOptions:
@@ -133,26 +133,15 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
         reply refused by either leaves nothing behind.
         """
         if self.streams_knowledge():
-            agg = self.env.run.aggregation
-            state = ctx.state(
-                KnowledgeRound,
-                lambda: KnowledgeRound(
-                    KnowledgeFold(
-                        self.env.num_classes,
-                        clip_factor=agg.knowledge_clip_factor,
-                        previous=self.knowledge_scales,
-                        growth=agg.bound_growth,
-                    )
-                ),
-            )
+            fold = round_fold(ctx, self.env, self.knowledge_scales)
             # a node's counts weigh at most what the round lets it weigh (weight-cap)
             knowledge = cap_counts(
                 record_to_knowledge(reply.content.array_records[KNOWLEDGE]), reply.weight
             )
-            state.fold.check(knowledge)
+            fold.check(knowledge)
             if self.felo.share_weights:
                 reply = fold_weights(self.models, ctx.state(GroupRound), reply)
-            state.fold.add(knowledge, reply.node_id)
+            fold.add(knowledge, reply.node_id)
             content = RecordDict({k: v for k, v in reply.content.items() if k != KNOWLEDGE})
             return replace(reply, content=content)
         if not self.felo.share_weights:

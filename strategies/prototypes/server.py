@@ -39,8 +39,8 @@ from strategies.core.validation import ClientReply, ReplySchema
 from strategies.felo.fold import (
     KNOWLEDGE_SCALES,
     FoldResult,
-    KnowledgeFold,
     KnowledgeRound,
+    round_fold,
     scales_from_state,
 )
 from strategies.felo.knowledge import cap_counts
@@ -107,21 +107,10 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
         """Bound and fold the reply's prototypes and drop them (:meth:`streams_knowledge`)."""
         if not self.streams_knowledge():
             return reply
-        agg = self.env.run.aggregation
-        state = ctx.state(
-            KnowledgeRound,
-            lambda: KnowledgeRound(
-                KnowledgeFold(
-                    self.env.num_classes,
-                    clip_factor=agg.knowledge_clip_factor,
-                    previous=self.knowledge_scales,
-                    growth=agg.bound_growth,
-                )
-            ),
-        )
+        fold = round_fold(ctx, self.env, self.knowledge_scales)
         protos = record_to_prototypes(reply.content.array_records[CLASS_PROTOTYPES])
         # a node's counts weigh at most what the round lets it weigh (weight-cap)
-        state.fold.add(
+        fold.add(
             cap_counts(as_knowledge(protos, self.env.num_classes), reply.weight), reply.node_id
         )
         content = RecordDict({k: v for k, v in reply.content.items() if k != CLASS_PROTOTYPES})
