@@ -104,7 +104,10 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
         return not self.keeps_rows and self.env.run.aggregation.knowledge_merge == "mean"
 
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
-        """Bound and fold the reply's prototypes and drop them (:meth:`streams_knowledge`)."""
+        """Fold the reply's prototypes the bound cannot reach; keep the rest to the end.
+
+        See :meth:`streams_knowledge` and :class:`~strategies.felo.fold.KnowledgeFold`.
+        """
         if not self.streams_knowledge():
             return reply
         fold = round_fold(ctx, self.env, self.knowledge_scales)
