@@ -10,7 +10,8 @@ model (``mlp-s``, 4,938 parameters with batch norm; the default), ``fedavg-group
 (slices of one ``preresnet`` global model).
 
 From each run's ``metrics.jsonl`` it reports round 2 (the steady state: round 1 also
-holds the handshake with every node and Ray's ClientApp start-up): the round's wall
+holds the handshake with every node and Ray's ClientApp start-up; with ``--rounds``
+above 2, the median over rounds 2 onwards of each figure): the round's wall
 time, the server's time per phase (``handshake``: finding and greeting new nodes;
 ``build``: selecting nodes and building their messages; ``exchange``: pushing
 messages and pulling replies, which includes the clients' work, and within it
@@ -23,10 +24,14 @@ lock); the first round's handshake; and the ServerApp process's resident memory
 for the sizes of 50 nodes or more, max over min of the round time per node, the
 server's work per reply and the handshake per node: issue 26's goal is 1.3 or less.
 
+``--sim-engine direct,indexed`` runs every size under each way of handing messages to
+Flower's engine (run-config ``sim-engine``, :mod:`tessera.sim_engine`), one after the
+other, and prints each one's table, then their round times side by side.
+
 Usage::
 
     .venv/bin/python benchmarks/scale.py [--nodes 10,50,100,200,500,1000,2000,5000]
-        [--scheme fedavg] [--out results/bench-scale]
+        [--scheme fedavg] [--sim-engine direct] [--rounds 2] [--out results/bench-scale]
 
 Prints a Markdown table and writes ``table.md``, ``scale.json`` and ``scale.png``; a
 size that was already run (its ``metrics.jsonl`` complete) is not run again. Each
@@ -52,6 +57,7 @@ from benchmarks.harness import sigterm_as_ctrl_c, simulate_command, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
+"""Rounds a federation runs unless ``--rounds`` says more (round 1 is the handshake)."""
 PHASES = (
     "handshake",
     "build",
@@ -119,19 +125,42 @@ def train_samples(nodes: int, per_node: int) -> int:
     return int(nodes * per_node / 0.9 / 0.8) + 100
 
 
+def run_name(
+    nodes: int, scheme: str = "fedavg", engine: str = "direct", rounds: int = ROUNDS
+) -> str:
+    """Return the results folder name of one federation.
+
+    Examples
+    --------
+    >>> run_name(50), run_name(50, "fedfa", "indexed", 4)
+    ('scale-50', 'scale-fedfa-indexed-r4-50')
+    """
+    parts = [] if scheme == "fedavg" else [scheme]
+    parts += [] if engine == "direct" else [engine]
+    parts += [] if rounds == ROUNDS else [f"r{rounds}"]
+    return "-".join(["scale", *parts, str(nodes)])
+
+
 def run_size(
-    nodes: int, *, data: Path, out: Path, timeout: float, scheme: str = "fedavg"
+    nodes: int,
+    *,
+    data: Path,
+    out: Path,
+    timeout: float,
+    scheme: str = "fedavg",
+    engine: str = "direct",
+    rounds: int = ROUNDS,
 ) -> dict[str, Any]:
     """Run one federation of ``nodes`` simulated nodes; return its summary row."""
-    name = f"scale-{nodes}" if scheme == "fedavg" else f"scale-{scheme}-{nodes}"
+    name = run_name(nodes, scheme, engine, rounds)
     metrics = out / name / "metrics.jsonl"
     wall = float("nan")
-    if not _complete(metrics):
+    if not _complete(metrics, rounds):
         run_config = (
             f"{SCHEMES[scheme]} dataset='npz:{data}' partitioner='iid' "
-            f"num-server-rounds={ROUNDS} local-epochs=1 min-nodes={nodes} "
+            f"num-server-rounds={rounds} local-epochs=1 min-nodes={nodes} "
             f"round-timeout={timeout} node-wait-timeout={timeout} "
-            "sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
+            f"sim-engine='{engine}' sim-device-profiles='cpu-small,cpu-large,jetson-orin'"
         )
         cmd = simulate_command(nodes=nodes, name=name, out=out, run_config=run_config)
         log.info("%d nodes: starting the simulation", nodes)
@@ -150,7 +179,7 @@ def run_size(
                 if proc is not None and proc.poll() is None:
                     stop_group(proc)
         wall = time.monotonic() - start
-        if proc.returncode != 0 or not _complete(metrics):
+        if proc.returncode != 0 or not _complete(metrics, rounds):
             raise RuntimeError(
                 f"{nodes} nodes: simulation failed (exit {proc.returncode}); "
                 f"see {out / (name + '.log')}"
@@ -159,25 +188,47 @@ def run_size(
     elif (out / name / "wall_seconds.txt").exists():
         wall = float((out / name / "wall_seconds.txt").read_text())
     rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {"scheme": scheme, **row_of(nodes, rounds, wall)}
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"scheme": scheme, "sim_engine": engine, **row_of(nodes, records, wall)}
 
 
-def _complete(metrics: Path) -> bool:
-    return metrics.exists() and len(metrics.read_text().splitlines()) >= ROUNDS
+def _complete(metrics: Path, rounds: int = ROUNDS) -> bool:
+    return metrics.exists() and len(metrics.read_text().splitlines()) >= rounds
 
 
 def row_of(nodes: int, rounds: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    """Summarise one run: round 2's time, phases and memory, round 1's handshake."""
+    """Summarise one run: the steady rounds' time and phases, memory, round 1's handshake.
+
+    The steady rounds are round 2 onwards; with more than one, each figure is their
+    median (the replies: the fewest).
+
+    Examples
+    --------
+    >>> recs = [{"num_ok": 3, "round_seconds": t, "phase_seconds": {"fold": t / 10}}
+    ...         for t in (9.0, 1.0, 3.0, 2.0)]
+    >>> row = row_of(3, recs, 20.0)
+    >>> row["round_seconds"], row["fold_seconds"], row["first_round_seconds"]
+    (2.0, 0.2, 9.0)
+    """
     first, last = rounds[0], rounds[-1]
-    phases = last.get("phase_seconds", {})
+    steady = rounds[1:] or rounds
+
+    def median(values: list[float]) -> float:
+        return float(np.median(values)) if values else float("nan")
+
+    phases = {
+        p: median([r["phase_seconds"][p] for r in steady if p in r.get("phase_seconds", {})])
+        for p in PHASES
+    }
     memory = last.get("server_memory_mb", {})
     return {
         "nodes": nodes,
-        "num_ok": last["num_ok"],
-        "round_seconds": last["round_seconds"],
+        "num_ok": min(r["num_ok"] for r in steady),
+        "round_seconds": median([r["round_seconds"] for r in steady]),
+        "steady_rounds": len(steady),
         "first_round_seconds": first["round_seconds"],
         "first_handshake_seconds": first.get("phase_seconds", {}).get("handshake", float("nan")),
-        **{f"{p}_seconds": phases.get(p, float("nan")) for p in PHASES},
+        **{f"{p}_seconds": phases[p] for p in PHASES},
         "first_round_phases": first.get("phase_seconds", {}),
         "server_rss_mb": memory.get("rss", float("nan")),
         "server_peak_mb": memory.get("peak", float("nan")),
@@ -333,8 +384,51 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def side_by_side(rows: list[dict[str, Any]], engines: list[str]) -> str:
+    """Render the round time per node of each engine at each size, and the ratios to the first.
+
+    Examples
+    --------
+    >>> rows = [{"nodes": 50, "sim_engine": e, "round_seconds": t, "num_ok": 50,
+    ...          "pull_cpu_seconds": 0.0, "fold_cpu_seconds": 0.05}
+    ...         for e, t in (("direct", 0.2), ("indexed", 0.3))]
+    >>> print(side_by_side(rows, ["direct", "indexed"]).splitlines()[2])
+    | 50 | 4.0 | 6.0 | 1.50 | 1.00 | 1.00 |
+    """
+    by = {(r["sim_engine"], r["nodes"]): r for r in rows}
+    sizes = sorted({r["nodes"] for r in rows})
+    base, others = engines[0], engines[1:]
+    head = (
+        "| nodes | "
+        + " | ".join(f"`{e}` per node ms" for e in engines)
+        + " | "
+        + " | ".join(f"`{e}` / `{base}` round" for e in others)
+        + " | "
+        + " | ".join(f"`{e}` / `{base}` server work" for e in engines)
+        + " |"
+    )
+    lines = [head, "|" + "---:|" * (1 + len(engines) + len(others) + len(engines))]
+    for n in sizes:
+        if any((e, n) not in by for e in engines):
+            continue
+        per_node = [1000 * by[(e, n)]["round_seconds"] / n for e in engines]
+        work = [server_work_ms(by[(e, n)]) for e in engines]
+        lines.append(
+            f"| {n} | "
+            + " | ".join(f"{v:.1f}" for v in per_node)
+            + " | "
+            + " | ".join(f"{v / per_node[0]:.2f}" for v in per_node[1:])
+            + " | "
+            + " | ".join(f"{v / work[0]:.2f}" if work[0] > 0 else "nan" for v in work)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sizes not run yet and print the table."""
+    from tessera.config.choices import SIM_ENGINES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="10,50,100,200,500,1000")
     parser.add_argument("--per-node", type=int, default=40, help="training samples per node")
@@ -346,34 +440,66 @@ def main(argv: list[str] | None = None) -> int:
         default="fedavg",
         help="fedavg (mlp-s), fedavg-groups (mlp-s/m/l by device) or fedfa (preresnet slices)",
     )
+    parser.add_argument(
+        "--sim-engine",
+        default="direct",
+        help=f"comma-separated run-config sim-engine values ({', '.join(SIM_ENGINES)}), "
+        "each run at every size; the first is the reference of the side-by-side table",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="rounds a federation runs; figures are medians over round 2 onwards",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
     if not sizes or min(sizes) < 2:
         parser.error(f"--nodes {args.nodes!r}: give sizes of 2 or more, e.g. 10,50,100")
+    engines = [e.strip() for e in args.sim_engine.split(",") if e.strip()]
+    if not engines or any(e not in SIM_ENGINES for e in engines):
+        parser.error(f"--sim-engine {args.sim_engine!r}: use some of {', '.join(SIM_ENGINES)}")
+    if args.rounds < 2:
+        parser.error(f"--rounds {args.rounds}: use 2 or more (round 1 holds the handshake)")
     rows: list[dict[str, Any]] = []
     with sigterm_as_ctrl_c():  # `kill` stops the running simulation too
-        for nodes in sizes:
-            data = make_dataset(
-                args.out / f"data-{nodes}.npz",
-                n_train=train_samples(nodes, args.per_node),
-                n_test=2000,
-            )
-            rows.append(
-                run_size(
-                    nodes,
-                    data=data.resolve(),
-                    out=args.out,
-                    timeout=args.timeout,
-                    scheme=args.scheme,
+        for engine in engines:
+            for nodes in sizes:
+                data = make_dataset(
+                    args.out / f"data-{nodes}.npz",
+                    n_train=train_samples(nodes, args.per_node),
+                    n_test=2000,
                 )
-            )
-            log.info("%d nodes: round 2 took %.1f s", nodes, rows[-1]["round_seconds"])
-    text = markdown(rows)
+                rows.append(
+                    run_size(
+                        nodes,
+                        data=data.resolve(),
+                        out=args.out,
+                        timeout=args.timeout,
+                        scheme=args.scheme,
+                        engine=engine,
+                        rounds=args.rounds,
+                    )
+                )
+                log.info(
+                    "%d nodes, sim-engine %s: steady round %.2f s",
+                    nodes,
+                    engine,
+                    rows[-1]["round_seconds"],
+                )
+    parts = []
+    for engine in engines:
+        mine = [r for r in rows if r["sim_engine"] == engine]
+        parts.append((f"sim-engine={engine}:\n\n" if len(engines) > 1 else "") + markdown(mine))
+    if len(engines) > 1:
+        parts.append("Side by side (one run of this command):\n\n" + side_by_side(rows, engines))
+    text = "\n\n".join(parts)
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "scale.json").write_text(json.dumps(rows, indent=2))
-    log.info("plot: %s", plot(rows, args.out / "scale.png"))
+    first = [r for r in rows if r["sim_engine"] == engines[0]]
+    log.info("plot: %s", plot(first, args.out / "scale.png"))
     return 0
 
 

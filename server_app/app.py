@@ -173,10 +173,12 @@ def main(grid: Grid, context: Context) -> None:
     from tessera.sim_engine import index_messages_by_node
 
     started = time.monotonic()
-    require_client_side(RunConfig.from_flower(context.run_config))
+    run_config = RunConfig.from_flower(context.run_config)
+    require_client_side(run_config)
     fused.start_warm_up()  # the aggregation loops load while the server waits for nodes
-    if is_simulation(grid):  # Flower's engine then finds each node's message in O(1)
-        index_messages_by_node()
+    engine = run_config.deployment.sim_engine
+    if is_simulation(grid) and engine != "flower":  # each node's message found in O(1)
+        index_messages_by_node(feed=engine == "direct")
     server = build_server(context.run_config)
     run, env, writer, runner = server.env.run, server.env, server.writer, server.runner
     log.info(

@@ -155,3 +155,117 @@ def test_another_flower_version_keeps_flower_s_method(monkeypatch: pytest.Monkey
 
     assert sim_engine.index_messages_by_node() is False
     assert InMemoryLinkState.get_message_ins is original
+
+
+def run_engine_thread(state: Any) -> tuple[Any, Any, Any]:
+    """Flower's own engine thread (``add_messages_to_queue``) on ``state``, sweeping no node.
+
+    With no node in its mapping, its sweeps hand out nothing: whatever reaches its
+    queue was handed over as it was stored.
+    """
+    import threading
+    from queue import Queue
+
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    queue: Queue[Any] = Queue()
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=vce_api.add_messages_to_queue, args=(state, queue, {}, stop), daemon=True
+    )
+    thread.start()
+    return queue, stop, thread
+
+
+def drained(queue: Any) -> list[tuple[int, int]]:
+    out = []
+    while not queue.empty():
+        config = queue.get_nowait().content.config_records["c"]
+        out.append((int(config["to"]), int(config["tag"])))
+    return out
+
+
+@pytest.mark.parametrize("feed", [True, False])
+def test_the_feed_hands_each_stored_message_to_the_engine_s_queue(feed: bool) -> None:
+    # Setup: the index, with or without the feed; Flower's engine thread running
+    assert sim_engine.index_messages_by_node(feed=feed)
+    state, grid, nodes = simulation_state(5)
+    queue, stop, thread = run_engine_thread(state)
+    try:
+        # Execute: every node a message, two nodes a second one
+        push(grid, nodes, tag=1)
+        push(grid, nodes[:2], tag=2)
+        handed = drained(queue)
+        left = sweep(state, nodes)  # what the engine's next sweeps would still find
+        later = sweep(state, nodes)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+    # Assert: with the feed, every message went to the queue as it was stored, in
+    # the order stored, marked delivered, and the sweeps find nothing left; without
+    # it the queue stays empty and the sweeps hand out one message per node each
+    if feed:
+        assert sim_engine.engine_queue(state) is queue
+        assert handed == [(n, 1) for n in nodes] + [(nodes[0], 2), (nodes[1], 2)]
+        assert left == later == []
+    else:
+        assert handed == []
+        assert left == [(i, 1) for i in range(5)]
+        assert later == [(0, 2), (1, 2)]
+
+
+def test_the_feed_answers_as_flower_does() -> None:
+    # The scenario of the first test, with the feed on and no engine thread: the
+    # queue is not found, and every answer is Flower's
+    flower = scenario(indexed=False)
+    sim_engine.restore_flower()
+    assert sim_engine.index_messages_by_node(feed=True)
+    state, _, _ = simulation_state(1)
+    assert sim_engine.engine_queue(state) is None
+    sim_engine.restore_flower()
+    assert scenario(indexed=True) == flower
+
+
+def test_a_node_with_nothing_undelivered_is_answered_without_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Setup: 200 nodes, each message delivered by a first sweep
+    assert sim_engine.index_messages_by_node()
+    state, grid, ids = simulation_state(200)
+    push(grid, ids, tag=1)
+    assert len(sweep(state, ids)) == 200
+    checks = 0
+    real = type(state)._check_stored_messages
+
+    def counting(self: Any, message_ids: set[str]) -> None:
+        nonlocal checks
+        checks += len(message_ids)
+        real(self, message_ids)
+
+    monkeypatch.setattr(type(state), "_check_stored_messages", counting)
+
+    # Execute: ten more sweeps, then one new message for node 7
+    idle = [sweep(state, ids) for _ in range(10)]
+    idle_checks = checks
+    push(grid, [ids[7]], tag=2)
+    found = sweep(state, ids)
+
+    # Assert: the idle sweeps check nothing and find nothing; the new message is
+    # found, after checking node 7's two stored messages only
+    assert idle == [[]] * 10
+    assert idle_checks == 0
+    assert found == [(7, 2)]
+    assert checks == 2
+
+
+def test_the_first_message_stored_is_indexed_once() -> None:
+    # The index is built from the store on first use: built after the first
+    # message was stored, it held that message twice (and handed it out twice to
+    # a call without a limit)
+    assert sim_engine.index_messages_by_node()
+    state, grid, ids = simulation_state(2)
+    push(grid, ids[:1], tag=1)
+
+    assert sweep(state, ids, limit=None) == [(0, 1)]
+    assert [len(v) for v in state.__dict__["_tessera_node_index"].values()] == [1]

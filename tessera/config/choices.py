@@ -50,3 +50,9 @@ PreAggregation = Literal["none", "nnm", "bucketing"]
 PRE_AGGREGATIONS: tuple[PreAggregation, ...] = get_args(PreAggregation)
 """How the aggregators that keep the round's updates mix them before their rule
 (run-config ``pre-aggregation``): not at all, nearest-neighbour mixing, bucketing."""
+SimEngine = Literal["direct", "indexed", "flower"]
+SIM_ENGINES: tuple[SimEngine, ...] = get_args(SimEngine)
+"""How a simulation hands the server's messages to Flower's engine (run-config
+``sim-engine``, :mod:`tessera.sim_engine`): each one to the engine's queue as it is
+stored, from a store indexed by node; from the indexed store at the engine's next
+sweep (every 0.1 s); or Flower's own store and sweep, untouched."""

@@ -13,9 +13,11 @@ from tessera.config.choices import (
     FLAT_INPUTS,
     PARTITIONERS,
     PERSONALISE_MODES,
+    SIM_ENGINES,
     FlatInput,
     Partitioner,
     Personalise,
+    SimEngine,
 )
 from tessera.config.reader import (
     ConfigReader,
@@ -283,6 +285,10 @@ class DeploymentConfig(Group):
         Write a checkpoint every k rounds; 0 never.
     resume : str or None
         The checkpoint to continue from.
+    sim_engine : SimEngine
+        In simulation, how the server's messages reach Flower's engine
+        (:mod:`tessera.sim_engine`): ``direct`` (each handed over as it is stored),
+        ``indexed`` (at the engine's next sweep) or ``flower`` (Flower's own code).
     """
 
     fraction_train: float
@@ -298,6 +304,7 @@ class DeploymentConfig(Group):
     run_name: str | None
     checkpoint_every: int
     resume: str | None
+    sim_engine: SimEngine = "direct"
 
     @classmethod
     def read(cls, r: ConfigReader) -> DeploymentConfig:
@@ -318,10 +325,11 @@ class DeploymentConfig(Group):
             run_name=r.optional_str("run-name"),
             checkpoint_every=r.get("checkpoint-every", int),
             resume=r.optional_str("resume"),
+            sim_engine=cast("SimEngine", r.get("sim-engine", str).strip().lower()),
         )
 
     def validate(self) -> None:
-        """Check the counts, the timeouts and the output folder."""
+        """Check the counts, the timeouts, the output folder and the engine."""
         require(
             self.round_timeout > 0,
             "round-timeout",
@@ -371,6 +379,12 @@ class DeploymentConfig(Group):
             "output-dir",
             self.output_dir,
             "name a folder, e.g. results",
+        )
+        require(
+            self.sim_engine in SIM_ENGINES,
+            "sim-engine",
+            self.sim_engine,
+            f"use one of {', '.join(SIM_ENGINES)}",
         )
 
 
