@@ -104,7 +104,7 @@ def engine_queue(state: Any) -> Any | None:
     for thread in threading.enumerate():
         if getattr(thread, "_target", None) is not vce_api.add_messages_to_queue:
             continue
-        args = getattr(thread, "_args", ())
+        args: tuple[Any, ...] = tuple(getattr(thread, "_args", ()))
         if len(args) >= 2 and args[0] is state:
             state.__dict__[_QUEUE] = args[1]
             log.debug("simulation engine: messages handed to its queue as they are stored")
