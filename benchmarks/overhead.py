@@ -22,8 +22,10 @@ Modes: ``sim`` (``scripts/simulate.sh``), ``deploy`` (``scripts/deploy-local.sh`
 SuperLink and SuperNodes as processes, each SuperNode starting its own ClientApp
 executor, Flower's ``subprocess`` isolation), ``deploy-process`` (the same with
 ``--isolation process``: a long-lived executor per node, as the compose cluster runs
-its executor containers; Tessera's warm executor, :mod:`tessera.executor`) and
-``deploy-process-flower`` (the same with Flower's ``flower-superexec``), ``compose``
+its executor containers; Tessera's warm executor, :mod:`tessera.executor`, and
+Tessera's paced SuperNode launcher, :mod:`tessera.supernode`; ``deploy`` uses that
+launcher too) and ``deploy-process-flower`` (the same with Flower's own processes:
+``flower-supernode`` and ``flower-superexec``), ``compose``
 and ``compose-flower`` (``compose.yaml``'s cluster: containers with their CPU and
 memory limits, TLS, Tessera's or Flower's ClientApp executor; needs a Docker engine
 and the images, ``scripts/docker-build.sh``). Targets
@@ -196,6 +198,8 @@ def run_once(
             "--isolation",
             "subprocess" if mode == "deploy" else "process",
             "--executor",
+            "flower" if mode == "deploy-process-flower" else "tessera",
+            "--supernode",
             "flower" if mode == "deploy-process-flower" else "tessera",
         ]
     started = time.monotonic()
@@ -416,6 +420,15 @@ def main() -> int:
                 f"{s['slowest_train_seconds']:.2f} | {overhead_s} | {ratio_s} | {memory} |"
             )
         results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
+    if {"deploy-process", "deploy-process-flower"} <= results.keys():
+        ours = results["deploy-process"]["fedavg"]["round_seconds"]
+        stock = results["deploy-process-flower"]["flwr-fedavg"]["round_seconds"]
+        results["against-stock-flower"] = {"ratio": {"round_seconds": ours / stock, "target": 0.25}}
+        print(
+            f"\nTessera's round on its own processes (deploy-process) / Flower's FedAvg.start "
+            f"on Flower's own (deploy-process-flower): {ours:.2f} / {stock:.2f} s = "
+            f"{ours / stock:.2f} (target <= 0.25)"
+        )
     print(
         "\nWhere a node's round goes in Tessera's loop (mean seconds per node and round, "
         "rounds >= 2; metrics.jsonl `client_phase_seconds`): queued = the server's send "

@@ -244,7 +244,7 @@ def server_work_ms(row: dict[str, Any]) -> float:
 def flatness(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Max over min, across the sizes of :data:`FLAT_FROM` nodes or more, of three costs.
 
-    ``per_node``: round 2's time per node; ``server_per_reply``: :func:`server_work_ms`;
+    ``per_node``: the steady round time per node; ``server_per_reply``: :func:`server_work_ms`;
     ``handshake_per_node``: round 1's handshake per node (linear handshake: flat).
     NaN where fewer than two sizes qualify.
 
@@ -298,7 +298,7 @@ def linear_fit(rows: list[dict[str, Any]], key: str) -> tuple[float, float, floa
 def markdown(rows: list[dict[str, Any]]) -> str:
     """Render the rows as a Markdown table, then the flatness ratios against the goal."""
     head = (
-        "| nodes | replies | round 2 s | per node ms | handshake (round 1) s (per node ms) "
+        "| nodes | replies | steady round s | per node ms | handshake (round 1) s (per node ms) "
         "| build s | exchange s (pull, fold) | server work per reply ms | aggregate s "
         "| evaluate s | server RSS MB (peak) | total wall s |"
     )
@@ -323,7 +323,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"{flat['server_per_reply']:.2f}, first handshake per node "
         f"{flat['handshake_per_node']:.2f}.",
     ]
-    for key, what in (("round_seconds", "round 2"), ("first_handshake_seconds", "handshake")):
+    for key, what in (("round_seconds", "steady round"), ("first_handshake_seconds", "handshake")):
         a, b, worst = linear_fit(rows, key)
         if math.isnan(a):
             lines.append(
@@ -350,7 +350,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         nodes,
         [1000 * r["round_seconds"] / r["nodes"] for r in rows],
         "o-",
-        label="round 2 time per node",
+        label="steady round time per node",
     )
     flat.plot(
         nodes, [server_work_ms(r) for r in rows], "s--", label="server's own work per reply (CPU)"
@@ -361,7 +361,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     flat.set_ylabel("ms")
     flat.legend(fontsize=8)
     flat.set_title("cost per node (flat = linear; handshake: middle)")
-    total.loglog(nodes, [r["round_seconds"] for r in rows], "o-", label="round 2 wall time")
+    total.loglog(nodes, [r["round_seconds"] for r in rows], "o-", label="steady round wall time")
     total.loglog(
         nodes, [r["first_handshake_seconds"] for r in rows], "^-", label="round 1 handshake"
     )
@@ -371,7 +371,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     total.set_ylabel("seconds")
     total.legend(fontsize=8)
     total.set_title("round time")
-    memory.plot(nodes, [r["server_rss_mb"] for r in rows], "o-", label="RSS after round 2")
+    memory.plot(nodes, [r["server_rss_mb"] for r in rows], "o-", label="RSS after the last round")
     memory.plot(nodes, [r["server_peak_mb"] for r in rows], "s--", label="peak")
     memory.set_xscale("log")
     memory.set_xlabel("simulated nodes")
@@ -393,7 +393,7 @@ def side_by_side(rows: list[dict[str, Any]], engines: list[str]) -> str:
     ...          "pull_cpu_seconds": 0.0, "fold_cpu_seconds": 0.05}
     ...         for e, t in (("direct", 0.2), ("indexed", 0.3))]
     >>> print(side_by_side(rows, ["direct", "indexed"]).splitlines()[2])
-    | 50 | 4.0 | 6.0 | 1.50 | 1.00 | 1.00 |
+    | 50 | 4.0 | 6.0 | 1.50 | 1.00 |
     """
     by = {(r["sim_engine"], r["nodes"]): r for r in rows}
     sizes = sorted({r["nodes"] for r in rows})
@@ -404,10 +404,10 @@ def side_by_side(rows: list[dict[str, Any]], engines: list[str]) -> str:
         + " | "
         + " | ".join(f"`{e}` / `{base}` round" for e in others)
         + " | "
-        + " | ".join(f"`{e}` / `{base}` server work" for e in engines)
+        + " | ".join(f"`{e}` / `{base}` server work per reply" for e in others)
         + " |"
     )
-    lines = [head, "|" + "---:|" * (1 + len(engines) + len(others) + len(engines))]
+    lines = [head, "|" + "---:|" * (1 + len(engines) + 2 * len(others))]
     for n in sizes:
         if any((e, n) not in by for e in engines):
             continue
@@ -419,7 +419,7 @@ def side_by_side(rows: list[dict[str, Any]], engines: list[str]) -> str:
             + " | "
             + " | ".join(f"{v / per_node[0]:.2f}" for v in per_node[1:])
             + " | "
-            + " | ".join(f"{v / work[0]:.2f}" if work[0] > 0 else "nan" for v in work)
+            + " | ".join(f"{v / work[0]:.2f}" if work[0] > 0 else "nan" for v in work[1:])
             + " |"
         )
     return "\n".join(lines)

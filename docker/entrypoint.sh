@@ -20,6 +20,9 @@
 #   superlink: TESSERA_DATABASE [/data/state.db]
 #   supernode: TESSERA_SUPERLINK [superlink:9092], TESSERA_NODE_CONFIG (required),
 #              TESSERA_NODE_KEY [$TESSERA_CERTS/keys/node-1] (private key, with auth)
+#              TESSERA_SUPERNODE [tessera]: tessera (Flower's flower-supernode with
+#              its pulls paced, 0.1 s after a message up to Flower's 3 s while idle,
+#              its replies looked for every 0.05 s) or flower (flower-supernode as is)
 #   serverapp: TESSERA_APPIO [superlink:9091]; clientapp: TESSERA_APPIO (required,
 #              the SuperNode's ClientAppIo address, e.g. supernode-1:9094),
 #              TESSERA_EXECUTOR [tessera]: tessera (each message's ClientApp process
@@ -119,7 +122,13 @@ role_supernode() {
     fi
     health 127.0.0.1:9094
     log "SuperNode -> ${TESSERA_SUPERLINK:-superlink:9092} ($([ "$TLS" = 1 ] && echo TLS || echo plaintext)$([ "$AUTH" = 1 ] && echo ', authenticated')), node-config: $TESSERA_NODE_CONFIG"
-    exec flower-supernode "${tls[@]}" "${auth[@]}" --isolation process \
+    local launcher=(python /usr/local/lib/tessera/supernode.py)
+    case "${TESSERA_SUPERNODE:-tessera}" in
+        tessera) ;;
+        flower) launcher=(flower-supernode) ;;
+        *) die "TESSERA_SUPERNODE is '$TESSERA_SUPERNODE'; use tessera or flower" ;;
+    esac
+    exec "${launcher[@]}" "${tls[@]}" "${auth[@]}" --isolation process \
         --superlink "${TESSERA_SUPERLINK:-superlink:9092}" \
         --clientappio-api-address 0.0.0.0:9094 \
         --node-config "$TESSERA_NODE_CONFIG" \

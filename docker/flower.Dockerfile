@@ -1,4 +1,5 @@
-# tessera/flower: Flower's SuperLink and SuperNode, and the one-shot services of the
+# tessera/flower: Flower's SuperLink and SuperNode (started through tessera/supernode.py,
+# which paces its pulls), and the one-shot services of the
 # compose cluster (init: certificates and node keys; register: SuperNode keys; run:
 # `flwr run` of the app, which it reads from a mounted checkout).
 #
@@ -32,6 +33,8 @@ RUN src=(); if [ -n "$WHEELHOUSE_URL" ]; then src=(--no-index --find-links "$WHE
 COPY scripts/lib.sh scripts/gen-certs.sh /opt/tessera/scripts/
 COPY docker/entrypoint.sh /usr/local/bin/tessera-entrypoint
 COPY docker/healthcheck.py /usr/local/bin/tessera-healthcheck
+# Flower's SuperNode with paced pulls (stdlib and Flower only; tessera-entrypoint supernode)
+COPY tessera/supernode.py /usr/local/lib/tessera/supernode.py
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -6,7 +6,7 @@
 #            [--profiles "cpu-small,cpu-large,jetson-orin"] [--insecure]
 #            [--workdir DIR] [--timeout SECONDS] [--resume]
 #            [--node-config "I:k=v ..."]... [--isolation subprocess|process]
-#            [--executor tessera|flower]
+#            [--executor tessera|flower] [--supernode tessera|flower]
 #
 #   --nodes N         number of SuperNodes; node i gets node-config
 #                     partition-id=i num-partitions=N device-profile=<profile>
@@ -34,6 +34,11 @@
 #                     torch and Flower once, and polls every 0.1 s) or flower
 #                     (Flower's flower-superexec: a fresh flwr-clientapp process per
 #                     message, polling every second)
+#   --supernode NAME  how each SuperNode is started: tessera (default; `python -m
+#                     tessera.supernode`, Flower's flower-supernode with its pull
+#                     paced from 0.1 s after a message up to Flower's 3 s while idle,
+#                     and its reply looked for every 0.05 s instead of 0.5 s) or
+#                     flower (flower-supernode itself)
 #   --resume          continue the run of an earlier deployment in the same --workdir
 #                     and run-name: the SuperLink keeps its --database, the nodes their
 #                     state, and the ServerApp gets run-config resume=<results folder>
@@ -62,6 +67,7 @@ timeout_s=900
 resume=0
 isolation=process
 executor=tessera
+supernode=tessera
 declare -A extra_node_config=()
 add_node_config() { # "I:k=v ..."
     local index="${1%%:*}" rest="${1#*:}"
@@ -86,6 +92,9 @@ while [ $# -gt 0 ]; do
         --executor) [ $# -ge 2 ] || die "--executor needs tessera or flower"
             executor="$2"; shift 2 ;;
         --executor=*) executor="${1#*=}"; shift ;;
+        --supernode) [ $# -ge 2 ] || die "--supernode needs tessera or flower"
+            supernode="$2"; shift 2 ;;
+        --supernode=*) supernode="${1#*=}"; shift ;;
         --workdir) [ $# -ge 2 ] || die "--workdir needs a folder"; workdir="$2"; shift 2 ;;
         --workdir=*) workdir="${1#*=}"; shift ;;
         --timeout) [ $# -ge 2 ] || die "--timeout needs seconds"; timeout_s="$2"; shift 2 ;;
@@ -106,6 +115,10 @@ esac
 case "$executor" in
     tessera | flower) ;;
     *) die "--executor is '$executor'; use tessera or flower" ;;
+esac
+case "$supernode" in
+    tessera | flower) ;;
+    *) die "--supernode is '$supernode'; use tessera or flower" ;;
 esac
 case "$timeout_s" in
     '' | *[!0-9]* | 0) die "--timeout must be a positive whole number of seconds (got '$timeout_s')" ;;
@@ -427,12 +440,17 @@ PY
 fi
 
 # ------------------------------------------------------------------ SuperNodes
+if [ "$supernode" = tessera ]; then
+    supernode_cmd=("$py" -m tessera.supernode)
+else
+    supernode_cmd=(flower-supernode)
+fi
 for ((i = 0; i < nodes; i++)); do
     profile="${profile_list[$((i % ${#profile_list[@]}))]}"
     appio_port="${ports[$((3 + i))]}"
     log "SuperNode $i: partition $i/$nodes, profile $profile, ClientAppIo 127.0.0.1:$appio_port"
     mkdir -p "$workdir/node-state/$i"
-    start_group "$logs/supernode-$i.log" flower-supernode "${tls_supernode[@]}" \
+    start_group "$logs/supernode-$i.log" "${supernode_cmd[@]}" "${tls_supernode[@]}" \
         --superlink "127.0.0.1:$fleet_port" \
         --clientappio-api-address "127.0.0.1:$appio_port" \
         --isolation "$isolation" \

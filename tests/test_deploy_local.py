@@ -174,7 +174,7 @@ def test_deploy_local_reports_a_supernode_stopped_during_round_two(tmp_path: Pat
             if log.count("Receiving: train message") >= 2:
                 for line in _processes_naming("partition-id=2 "):
                     pid, cmdline = line.split(": ", 1)
-                    if "flower-supernode" in cmdline and str(tmp_path) in cmdline:
+                    if _is_supernode(cmdline) and str(tmp_path) in cmdline:
                         os.kill(int(pid), signal.SIGTERM)
                         stopped.append(line)
                 break
@@ -200,6 +200,11 @@ def test_deploy_local_reports_a_supernode_stopped_during_round_two(tmp_path: Pat
     assert failed == {lost}, second
 
 
+def _is_supernode(cmdline: str) -> bool:
+    """Whether a command line is a SuperNode's: Flower's own, or Tessera's paced launcher."""
+    return "flower-supernode" in cmdline or "tessera.supernode" in cmdline
+
+
 def _wait_for(predicate: Any, proc: subprocess.Popen[str], limit: float) -> bool:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline and proc.poll() is None:
@@ -215,7 +220,7 @@ def _supernode_of_partition(
     """The pid, argv and environment of the SuperNode serving ``partition``."""
     for line in _processes_naming(f"partition-id={partition} "):
         pid, cmdline = line.split(": ", 1)
-        if "flower-supernode" in cmdline and str(tmp_path) in cmdline:
+        if _is_supernode(cmdline) and str(tmp_path) in cmdline:
             proc = Path("/proc") / pid
             argv = proc.joinpath("cmdline").read_bytes().split(b"\0")
             env = proc.joinpath("environ").read_bytes().split(b"\0")

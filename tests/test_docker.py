@@ -315,6 +315,20 @@ def test_clientapps_ran_in_the_warm_executor(cluster: Cluster) -> None:
         assert "exited with" not in log, log[-3000:]
 
 
+def test_supernodes_ran_with_paced_pulls(cluster: Cluster) -> None:
+    # Each SuperNode container runs Flower's SuperNode through Tessera's launcher
+    # (tessera/supernode.py), which logged its pacing and then Flower's own start
+    assert cluster.run_rc == 0
+    for n in (1, 2, 3):
+        container = cluster.container(f"supernode-{n}")
+        top = _run(["docker", "exec", container, "python3", "-c", PS]).stdout
+        assert "/usr/local/lib/tessera/supernode.py" in top, top
+        logs = _run(["docker", "logs", container], timeout=60)
+        log = logs.stdout + logs.stderr
+        assert "SuperNode pulls paced: 0.1 s after a message, growing to 3 s" in log, log[-3000:]
+        assert "SuperNode ID" in log, log[-3000:]
+
+
 def test_the_server_image_carries_the_ensemble_optimisers(images: None) -> None:
     # tessera/app-server (the compose ServerApp) has every optimiser of the ensemble
     # and numba; tessera/app-cpu (the ClientApps) has none of them
