@@ -170,12 +170,17 @@ def main(grid: Grid, context: Context) -> None:
     from strategies.core.exchange import is_simulation
     from tessera.attacks import require_client_side
     from tessera.data import plot_label_distribution
+    from tessera.executor import shorten_object_pull_backoff
     from tessera.sim_engine import index_messages_by_node
 
     started = time.monotonic()
     run_config = RunConfig.from_flower(context.run_config)
     require_client_side(run_config)
     fused.start_warm_up()  # the aggregation loops load while the server waits for nodes
+    # a reply pulled between its message and its objects reaching the SuperLink is
+    # asked for again after 20 ms, not after Flower's 1 s (deployment; the
+    # simulation's grid pulls no objects)
+    shorten_object_pull_backoff()
     engine = run_config.deployment.sim_engine
     if is_simulation(grid) and engine != "flower":  # each node's message found in O(1)
         index_messages_by_node(feed=engine == "direct")
