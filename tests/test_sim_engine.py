@@ -113,21 +113,27 @@ def test_the_index_answers_as_flower_does() -> None:
     assert flower[3] == [(3, 4), (4, 4)]  # node 4's and 5's expired tag-3 messages are gone
 
 
+def counting_checks(monkeypatch: pytest.MonkeyPatch, state: Any) -> list[int]:
+    """Count the messages Flower checks (expiry, federation) from now on, in a 1-list."""
+    count = [0]
+    real = type(state)._check_stored_messages
+
+    def counting(self: Any, message_ids: set[str]) -> None:
+        count[0] += len(message_ids)
+        real(self, message_ids)
+
+    monkeypatch.setattr(type(state), "_check_stored_messages", counting)
+    return count
+
+
 def checks_in_two_sweeps(monkeypatch: pytest.MonkeyPatch, nodes: int) -> tuple[int, int]:
     """Messages Flower checks (expiry, federation) in two engine sweeps; and those delivered."""
     state, grid, ids = simulation_state(nodes)
     push(grid, ids, tag=1)
-    checks = 0
-    real = type(state)._check_stored_messages
-
-    def counting(self: Any, message_ids: set[str]) -> None:
-        nonlocal checks
-        checks += len(message_ids)
-        real(self, message_ids)
-
-    monkeypatch.setattr(type(state), "_check_stored_messages", counting)
+    count = counting_checks(monkeypatch, state)
     delivered = len(sweep(state, ids)) + len(sweep(state, ids))
     monkeypatch.undo()
+    checks = count[0]
     return checks, delivered
 
 
@@ -235,21 +241,14 @@ def test_a_node_with_nothing_undelivered_is_answered_without_checks(
     state, grid, ids = simulation_state(200)
     push(grid, ids, tag=1)
     assert len(sweep(state, ids)) == 200
-    checks = 0
-    real = type(state)._check_stored_messages
-
-    def counting(self: Any, message_ids: set[str]) -> None:
-        nonlocal checks
-        checks += len(message_ids)
-        real(self, message_ids)
-
-    monkeypatch.setattr(type(state), "_check_stored_messages", counting)
+    count = counting_checks(monkeypatch, state)
 
     # Execute: ten more sweeps, then one new message for node 7
     idle = [sweep(state, ids) for _ in range(10)]
-    idle_checks = checks
+    idle_checks = count[0]
     push(grid, [ids[7]], tag=2)
     found = sweep(state, ids)
+    checks = count[0]
 
     # Assert: the idle sweeps check nothing and find nothing; the new message is
     # found, after checking node 7's two stored messages only
