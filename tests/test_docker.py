@@ -364,7 +364,11 @@ def test_supernodes_used_tls(cluster: Cluster) -> None:
     # Every SuperNode ran with the CA and without --insecure ...
     for i in (1, 2, 3):
         top = _run(["docker", "exec", cluster.container(f"supernode-{i}"), "python3", "-c", PS])
-        line = next(row for row in top.stdout.splitlines() if "flower-supernode" in row)
+        line = next(  # Flower's SuperNode, started through Tessera's paced launcher
+            row
+            for row in top.stdout.splitlines()
+            if "flower-supernode" in row or "tessera/supernode.py" in row
+        )
         assert "--root-certificates /certs/ca.crt" in line and "--insecure" not in line, line
     # ... and the Fleet API they used speaks only TLS, with a certificate for "superlink"
     # signed by the cluster's CA (checked through the port published on 127.0.0.1).
