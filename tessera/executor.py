@@ -61,6 +61,7 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 LOG = logging.getLogger("tessera.executor")
 
@@ -350,11 +351,79 @@ def run_clientapp_process(**kwargs: object) -> None:
     **kwargs : object
         ``run_clientapp``'s keyword arguments.
     """
-    from flwr.supernode.runtime.run_clientapp import run_clientapp
+    from flwr.supernode.runtime import run_clientapp as runtime
 
     if not shorten_object_pull_backoff():
         LOG.warning("this Flower has no initial_backoff to shorten; keeping its own")
-    run_clientapp(**kwargs)  # type: ignore[arg-type]
+    timings = time_start_steps(runtime)
+    started = time.monotonic()
+    try:
+        runtime.run_clientapp(**kwargs)  # type: ignore[arg-type]
+    finally:
+        from logging import INFO
+
+        from flwr.common.logger import log
+
+        log(INFO, "ClientApp process %d: %s", os.getpid(), describe_steps(timings, started))
+
+
+START_STEPS = {
+    "pull_task_input": "message pulled",
+    "install_from_fab": "FAB installed",
+    "get_load_client_app_fn": "app loaded",
+}
+"""The steps of Flower's ``run_clientapp`` before the ClientApp runs (its ``start``
+phase in ``metrics.jsonl``), timed by :func:`time_start_steps`."""
+
+
+def time_start_steps(runtime: object) -> dict[str, float]:
+    """Time the steps of :data:`START_STEPS` in Flower's ``run_clientapp`` module.
+
+    Replaces each function of ``runtime`` (this process's own copy of Flower's
+    module; a forked ClientApp process runs one task and exits) by one that records
+    its seconds in the returned dict. ``get_load_client_app_fn`` returns the loader,
+    so its loader call is what is timed. Missing names are left alone.
+    """
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            tick = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timings[name] = timings.get(name, 0.0) + time.monotonic() - tick
+
+        return run
+
+    for name in START_STEPS:
+        fn = getattr(runtime, name, None)
+        if fn is None:
+            continue
+        if name == "get_load_client_app_fn":
+
+            def loader_of(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+                return timed("get_load_client_app_fn", _fn(*args, **kwargs))
+
+            setattr(runtime, name, loader_of)
+        else:
+            setattr(runtime, name, timed(name, fn))
+    return timings
+
+
+def describe_steps(timings: dict[str, float], started: float) -> str:
+    """Render the timed start steps and the whole task, e.g. for a log line.
+
+    Examples
+    --------
+    >>> describe_steps({"pull_task_input": 0.31, "get_load_client_app_fn": 0.2}, 0.0)[:44]
+    'message pulled 0.31 s, app loaded 0.20 s, ta'
+    """
+    parts = [
+        f"{what} {timings[name]:.2f} s" for name, what in START_STEPS.items() if name in timings
+    ]
+    parts.append(f"task {time.monotonic() - started:.2f} s")
+    return ", ".join(parts)
 
 
 def launch_clientapp(

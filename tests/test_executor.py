@@ -238,3 +238,39 @@ def test_forked_processes_do_not_import_the_package_when_run_with_dash_m() -> No
     # Assert: multiprocessing re-imports the package in each process unless detached
     assert run("keep") == 3
     assert run("detach") == 0
+
+
+def test_the_start_steps_are_timed_in_a_copy_of_flower_s_runtime() -> None:
+    # A stand-in for Flower's run_clientapp module: the wrappers time each step,
+    # and the loader that get_load_client_app_fn returns is what is timed for it
+    from types import SimpleNamespace
+
+    from tessera.executor import describe_steps, time_start_steps
+
+    calls: list[str] = []
+
+    def pull_task_input(stub: object) -> str:
+        calls.append("pull")
+        time.sleep(0.02)
+        return "message"
+
+    def get_load_client_app_fn(**kwargs: object) -> object:
+        def load(*args: object) -> str:
+            calls.append("load")
+            return "app"
+
+        return load
+
+    runtime = SimpleNamespace(
+        pull_task_input=pull_task_input, get_load_client_app_fn=get_load_client_app_fn
+    )
+    timings = time_start_steps(runtime)
+
+    assert runtime.pull_task_input("stub") == "message"
+    assert runtime.get_load_client_app_fn(multi_app=True)("id", "v", "hash") == "app"
+    assert calls == ["pull", "load"]
+    assert set(timings) == {"pull_task_input", "get_load_client_app_fn"}
+    assert timings["pull_task_input"] >= 0.02
+    text = describe_steps(timings, time.monotonic())
+    assert text.startswith("message pulled 0.0") and "app loaded 0.00 s" in text
+    assert "FAB installed" not in text  # a step the stand-in lacks is left out

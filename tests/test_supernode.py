@@ -61,6 +61,7 @@ def test_next_pause_and_idle_pulls_by_hand() -> None:
     [
         (["--pull-min", "0"], "--pull-min 0.0: use a positive number of seconds"),
         (["--reply-wait", "nan"], "--reply-wait nan: use a positive number of seconds"),
+        (["--object-backoff", "-1"], "--object-backoff -1.0: use a positive number of seconds"),
         (["--pull-min", "2", "--pull-max", "1"], "--pull-max 1.0 is below --pull-min 2.0"),
     ],
 )
@@ -82,6 +83,18 @@ def test_flower_s_loop_still_holds_the_pauses_it_paces() -> None:
     assert "time.sleep(3)" in inspect.getsource(loop.start_client_internal)
     assert "time.sleep(0.5)" in inspect.getsource(loop._push_messages)
     assert loop.time is time  # nothing in this process paced Flower's own module
+
+
+def test_the_object_pull_backoff_is_shortened_in_flower_s_pull() -> None:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    defaults = inflatable_utils.pull_objects.__kwdefaults__
+    before = defaults["initial_backoff"]
+    try:
+        assert supernode.shorten_object_pulls(0.03) is True
+        assert defaults["initial_backoff"] == 0.03
+    finally:
+        defaults["initial_backoff"] = before  # another test's process state may differ
 
 
 def fresh_loop_module() -> ModuleType:
