@@ -31,9 +31,9 @@ these pauses changed:
 The first two are module-level sleeps of Flower's code, changed by giving that
 module a ``time`` whose ``sleep`` maps those two pauses (:class:`PacedTime`); every
 other call goes to :mod:`time`. The third is the default of a keyword of Flower's
-``pull_objects`` (:func:`shorten_object_pulls`). Applied only to the Flower release it was written against
-(:data:`FLOWER_VERSION`); any other runs Flower's SuperNode unchanged, with a log line
-saying so.
+``pull_objects`` (:func:`shorten_object_pulls`). Applied only to the Flower release
+it was written against (:data:`FLOWER_VERSION`); any other runs Flower's SuperNode
+unchanged, with a log line saying so.
 
 This file imports only the standard library and Flower, so the images copy it alone
 (``/usr/local/lib/tessera/supernode.py``) and run it as a script.
