@@ -203,6 +203,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """
     parser = argparse.ArgumentParser(
         prog="tessera-supernode",
+        allow_abbrev=False,  # a prefix of one of ours stays flower-supernode's
         description="Flower's flower-supernode with paced pulls (every other argument "
         "goes to flower-supernode)",
     )
