@@ -514,14 +514,26 @@ class Comparison:
         return info
 
     # ------------------------------------------------------------------ tuning
-    def tuning_cells(self) -> list[Cell]:
-        """Each candidate value of each tuned key, on the validation seed."""
+    def tuning_cells(self, schemes: Sequence[str] | None = None) -> list[Cell]:
+        """Each candidate value of each tuned key, on the validation seed.
+
+        ``schemes`` limits them to some tuned schemes. A personalised row's candidates
+        run with the values already chosen for its scheme (:meth:`inherited`), so
+        those must be finished first (:meth:`run` tunes the schemes before their rows).
+        """
+        done = self.done() if self.tune else {}
         cells = []
         for scheme, keys in self.tune.items():
+            if schemes is not None and scheme not in schemes:
+                continue
             for key, values in keys.items():
                 for value in values:
-                    config = {**scheme_config(scheme, self.overrides), key: value}
                     for part in self.partitionings:
+                        config = {
+                            **scheme_config(scheme, self.overrides),
+                            **self.inherited(scheme, part, done, own=False),
+                            key: value,
+                        }
                         cells.append(
                             Cell(
                                 scheme,
@@ -532,6 +544,42 @@ class Comparison:
                             )
                         )
         return cells
+
+    def inherited(
+        self,
+        scheme: str,
+        part: Partitioning,
+        done: Mapping[str, dict[str, Any]] | None = None,
+        *,
+        own: bool = True,
+    ) -> dict[str, Any]:
+        """Return the tuned values a row runs with: its scheme's, then its own.
+
+        A family floor ``local:<scheme>`` and a personalised row ``<scheme>+<mode>``
+        take the values tuned for ``<scheme>`` (e.g. the ensemble's learning rate), so
+        they train the same models with the same settings; a personalised row's own
+        tuned keys (e.g. ``ditto-lambda``) come on top unless ``own`` is false.
+
+        Examples
+        --------
+        >>> Comparison.lineage("local:ensemble"), Comparison.lineage("ensemble+ditto")
+        (['ensemble'], ['ensemble', 'ensemble+ditto'])
+        """
+        done = self.done() if done is None else done
+        lineage = self.lineage(scheme)
+        if not own:
+            lineage = [name for name in lineage if name != scheme]
+        out: dict[str, Any] = {}
+        for name in lineage:
+            out.update(self.chosen(name, part, done))
+        return out
+
+    @staticmethod
+    def lineage(scheme: str) -> list[str]:
+        """Return the tuned names a row takes values from, the most general first."""
+        name = scheme.split(":", 1)[-1]  # "local:fedfa" -> "fedfa"
+        base, mode = split_variant(name)
+        return [base] if mode is None or is_floor(scheme) else [base, name]
 
     def chosen(
         self, scheme: str, part: Partitioning, done: Mapping[str, dict[str, Any]] | None = None
@@ -562,8 +610,7 @@ class Comparison:
     def cells(self) -> list[Cell]:
         """Return the reported cells: seed, then partitioning, then scheme (floors first).
 
-        A family floor ``local:<scheme>`` takes the values tuned for ``<scheme>`` (e.g.
-        its learning rate), so it trains the same models with the same settings.
+        Each row runs with :meth:`inherited` tuned values.
         """
         order = self.order
         done = self.done() if self.tune else {}  # read once, not once per cell
@@ -571,10 +618,9 @@ class Comparison:
         for seed in self.seeds:
             for part in self.partitionings:
                 for scheme in order:
-                    tuned = scheme.split(":", 1)[-1]  # "local:fedfa" -> "fedfa"
                     config = {
                         **scheme_config(scheme, self.overrides),
-                        **self.chosen(tuned, part, done),
+                        **self.inherited(scheme, part, done),
                     }
                     cells.append(Cell(scheme, part, seed, tuple(config.items())))
         return cells
@@ -586,7 +632,11 @@ class Comparison:
         failed: list[str] = []
         if self.tune:
             self.log(f"tuning on validation seed {self.validation_seed}:")
-            failed += self._run_cells(self.tuning_cells())
+            rows = [s for s in self.tune if split_variant(s)[1] is not None]
+            bases = [s for s in self.tune if s not in rows]
+            failed += self._run_cells(self.tuning_cells(bases))
+            if rows:  # a personalised row tunes on top of its scheme's chosen values
+                failed += self._run_cells(self.tuning_cells(rows))
             for scheme in self.tune:
                 for part in self.partitionings:
                     self.log(f"  {scheme} on {part.label}: chose {self.chosen(scheme, part)}")

@@ -643,6 +643,58 @@ def test_tuning_keeps_the_best_value_of_the_validation_seed(tmp_path: Path) -> N
     )
 
 
+def test_a_personalised_row_takes_its_schemes_tuned_values(tmp_path: Path) -> None:
+    # Arrange: the ensemble's learning rate and ensemble+ditto's lambda are tuned
+    args = compare.build_parser().parse_args(
+        [
+            "--schemes",
+            "ensemble,ensemble+ditto",
+            "--partitionings",
+            "iid",
+            "--tune",
+            "ensemble:learning-rate=0.05|0.01",
+            "--tune",
+            "ensemble+ditto:ditto-lambda=0.1|1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    comparison = compare.comparison_from_args(args)
+    part = comparison.partitionings[0]
+
+    def finish(cells: list[compare.Cell], scores: dict[str, float]) -> None:
+        for cell in cells:
+            comparison._append(
+                {
+                    "key": cell.key,
+                    "kind": "scheme",
+                    "scheme": cell.label,
+                    "partitioning": part.label,
+                    "seed": cell.seed,
+                    "run_config": dict(cell.config),
+                    "fields": {"personal": scores[cell.variant]},
+                    "seconds": 0.0,
+                }
+            )
+
+    # Act: the scheme's candidates first, then the row's on top of its choice
+    finish(
+        comparison.tuning_cells(["ensemble"]),
+        {"learning-rate=0.05": 0.5, "learning-rate=0.01": 0.8},
+    )
+    row_tuning = comparison.tuning_cells(["ensemble+ditto"])
+    finish(row_tuning, {"ditto-lambda=0.1": 0.7, "ditto-lambda=1": 0.6})
+
+    # Assert: the row's candidates and its reported cells run at the scheme's rate
+    assert {dict(c.config)["learning-rate"] for c in row_tuning} == {0.01}
+    by_scheme = {c.scheme: dict(c.config) for c in comparison.cells()}
+    assert by_scheme["ensemble"]["learning-rate"] == 0.01
+    assert by_scheme["local:ensemble"]["learning-rate"] == 0.01
+    assert by_scheme["ensemble+ditto"]["learning-rate"] == 0.01
+    assert by_scheme["ensemble+ditto"]["ditto-lambda"] == 0.1
+    assert "ditto-lambda" not in by_scheme["ensemble"]
+
+
 def test_a_finished_cell_with_another_run_config_runs_again(tmp_path: Path) -> None:
     # Arrange: fedhenn finished on seed 0 with eta0=0.1, then the validation seed chose 1.0
     args = compare.build_parser().parse_args(
