@@ -27,7 +27,8 @@ Tessera's paced SuperNode launcher, :mod:`tessera.supernode`; ``deploy`` uses th
 launcher too) and ``deploy-process-flower`` (the same with Flower's own processes:
 ``flower-supernode`` and ``flower-superexec``), ``compose``
 and ``compose-flower`` (``compose.yaml``'s cluster: containers with their CPU and
-memory limits, TLS, Tessera's or Flower's ClientApp executor; needs a Docker engine
+memory limits, TLS; Tessera's paced SuperNode and ClientApp executor, or Flower's
+``flower-supernode`` and ``flower-superexec``; needs a Docker engine
 and the images, ``scripts/docker-build.sh``). Targets
 (issue 26): ours / Flower <= 1.05 in simulation and <= 0.25 in deployment; our
 overhead <= 1.5 s a round with process isolation.
@@ -116,6 +117,7 @@ def run_compose(
         TESSERA_STRATEGY=scheme,
         TESSERA_RUN_CONFIG=f"fedavg-arch='{arch}' local-epochs=1 partitioner='iid'",
         TESSERA_EXECUTOR="flower" if mode == "compose-flower" else "tessera",
+        TESSERA_SUPERNODE="flower" if mode == "compose-flower" else "tessera",
         TESSERA_FLEET_PORT=str(free_port()),
         TESSERA_CONTROL_PORT=str(free_port()),
         TESSERA_RUN_TIMEOUT="1200",

@@ -25,6 +25,13 @@ pushes the reply) with these differences:
 - **Short polls.** It asks for pending tasks every ``--poll-interval`` seconds
   (default 0.1) instead of every second. A pull is one small gRPC call on the
   node's own ClientAppIo link.
+- **Compiled once.** Each ClientApp process imports the app's modules from the FAB
+  again (that is what keeps the code the bundle's), but their bytecode is cached in
+  a private folder of the executor (``--bytecode-cache``), so that only the first
+  message of an app compiles its sources. Flower's processes recompile the app for
+  every message wherever bytecode is not written (``PYTHONDONTWRITEBYTECODE``, set
+  in the images): 0.4 s of a round's ``start`` here. Python checks each cached file
+  against its source's modification time and size, as it does for ``__pycache__``.
 - **A short first object-pull backoff** in each ClientApp process (20 ms instead of
   Flower's 1 s; :func:`shorten_object_pull_backoff` says why).
 - **It outlives a SuperNode restart**: a failed ClientAppIo call is logged and
@@ -102,6 +109,8 @@ try:
 except Exception:  # noqa: BLE001 - a failed warm-up only costs speed
     pass
 """
+#: ``--bytecode-cache`` default: a private temporary folder for the executor's life
+AUTO = "auto"
 #: how long a stop waits for running ClientApps before it kills them
 STOP_GRACE_S = 5.0
 
@@ -130,6 +139,10 @@ class ExecutorConfig:
         Where to serve gRPC health checks (``None``: no health server).
     superexec_auth_secret_file : Path | None
         Flower's SuperExec authentication secret, when the SuperNode requires it.
+    bytecode_cache : str | None
+        Where ClientApp processes cache the app's compiled modules: ``"auto"`` (a
+        private temporary folder, removed when the executor stops), a folder, or
+        ``None`` (no cache of ours: the environment decides, as in Flower).
     """
 
     appio_api_address: str
@@ -141,6 +154,7 @@ class ExecutorConfig:
     parent_pid: int | None = None
     health_server_address: str | None = None
     superexec_auth_secret_file: Path | None = None
+    bytecode_cache: str | None = AUTO
 
 
 def parse_preload(text: str) -> tuple[str, ...]:
@@ -220,6 +234,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ExecutorConfig:
         default=None,
         help="Flower's SuperExec authentication secret, when the SuperNode requires one",
     )
+    parser.add_argument(
+        "--bytecode-cache",
+        default=AUTO,
+        help="folder where ClientApp processes cache the app's compiled modules ('auto': "
+        "a private temporary one, removed at exit; '': none, the environment decides)",
+    )
     args = parser.parse_args(argv)
     if not args.insecure and args.root_certificates is None:
         parser.error("give --insecure (plaintext) or --root-certificates FILE (TLS)")
@@ -234,6 +254,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ExecutorConfig:
     for path in (args.root_certificates, args.superexec_auth_secret_file):
         if path is not None and not path.is_file():
             parser.error(f"{path}: no such file")
+    cache: str | None = args.bytecode_cache or None
+    if cache is not None and cache != AUTO and Path(cache).exists() and not Path(cache).is_dir():
+        parser.error(f"--bytecode-cache {cache}: not a folder; give a folder, 'auto' or ''")
     return ExecutorConfig(
         appio_api_address=args.appio_api_address,
         insecure=args.insecure,
@@ -244,6 +267,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ExecutorConfig:
         parent_pid=args.parent_pid,
         health_server_address=args.health_server_address,
         superexec_auth_secret_file=args.superexec_auth_secret_file,
+        bytecode_cache=cache,
     )
 
 
@@ -343,14 +367,46 @@ def shorten_object_pull_backoff(first: float = OBJECT_PULL_BACKOFF) -> bool:
     return changed
 
 
-def run_clientapp_process(**kwargs: object) -> None:
+def cache_bytecode(folder: str | None) -> None:
+    """Let this process read and write compiled modules under ``folder``.
+
+    Sets ``sys.pycache_prefix`` (the cached files mirror the sources' absolute paths
+    there, so the installed app's own folder is never written) and allows writing
+    bytecode even where ``PYTHONDONTWRITEBYTECODE`` forbids it. ``None`` changes
+    nothing. Python reads a cached file only while its recorded source modification
+    time and size match the source's.
+    """
+    if folder is None:
+        return
+    sys.pycache_prefix = folder
+    sys.dont_write_bytecode = False
+
+
+def bytecode_folder(setting: str | None) -> tuple[str | None, bool]:
+    """Return the folder for ``--bytecode-cache`` and whether the executor made it.
+
+    ``"auto"`` makes a private (0700) temporary folder, which the caller removes; a
+    given folder is created (0700) when missing and kept.
+    """
+    if setting is None:
+        return None, False
+    if setting == AUTO:
+        return tempfile.mkdtemp(prefix="tessera-executor-pyc-"), True
+    Path(setting).mkdir(mode=0o700, parents=True, exist_ok=True)
+    return setting, False
+
+
+def run_clientapp_process(bytecode_cache: str | None = None, **kwargs: object) -> None:
     """Run Flower's ``run_clientapp`` for one task (the target of a forked process).
 
     Parameters
     ----------
+    bytecode_cache : str | None
+        Where the app's compiled modules are cached (:func:`cache_bytecode`).
     **kwargs : object
         ``run_clientapp``'s keyword arguments.
     """
+    cache_bytecode(bytecode_cache)
     from flwr.supernode.runtime import run_clientapp as runtime
 
     if not shorten_object_pull_backoff():
@@ -427,7 +483,11 @@ def describe_steps(timings: dict[str, float], started: float) -> str:
 
 
 def launch_clientapp(
-    ctx: ForkServerContext, config: ExecutorConfig, token: str, certificates: bytes | None
+    ctx: ForkServerContext,
+    config: ExecutorConfig,
+    token: str,
+    certificates: bytes | None,
+    bytecode_cache: str | None = None,
 ) -> BaseProcess:
     """Start Flower's ``run_clientapp`` for one task in a process forked from the server.
 
@@ -442,6 +502,8 @@ def launch_clientapp(
     certificates : bytes or None
         The PEM CA bundle of ``config.root_certificates``, read once by the executor
         (``None`` with ``insecure``).
+    bytecode_cache : str | None
+        The folder of the app's compiled modules (:func:`bytecode_folder`).
 
     Returns
     -------
@@ -450,6 +512,7 @@ def launch_clientapp(
     """
     proc = ctx.Process(
         target=run_clientapp_process,
+        args=(bytecode_cache,),
         kwargs={
             "clientappio_api_address": config.appio_api_address,
             "token": token,
@@ -523,6 +586,16 @@ class Executor:
 
     def run(self) -> None:
         """Serve tasks until a signal, the parent's exit, or a fatal gRPC error."""
+        cache, made = bytecode_folder(self.config.bytecode_cache)
+        if cache is not None:
+            LOG.info("caching the app's compiled modules in %s", cache)
+        try:
+            self._serve(cache)
+        finally:
+            if made and cache is not None:
+                shutil.rmtree(cache, ignore_errors=True)
+
+    def _serve(self, cache: str | None) -> None:
         import grpc
         from flwr.common.grpc import create_channel
         from flwr.common.retry_invoker import make_simple_grpc_retry_invoker, wrap_stub
@@ -589,7 +662,7 @@ class Executor:
                     self._stop.wait(1.0)
                     continue
                 if claim.token:
-                    proc = launch_clientapp(ctx, config, claim.token, certificates)
+                    proc = launch_clientapp(ctx, config, claim.token, certificates, cache)
                     LOG.info("task %s: ClientApp process %s", tasks[0].task_id, proc.pid)
                     self.children.append(proc)
         finally:

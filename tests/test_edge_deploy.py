@@ -160,3 +160,15 @@ def test_compose_nodes_keep_their_state_in_a_volume_of_their_own() -> None:
         node_config = jetson[service]["environment"]["TESSERA_NODE_CONFIG"]
         assert ed.parse_node_config(node_config)["state-dir"] == "/data/node-state"
     assert "node-jetson-state:/data" in jetson["clientapp-jetson"]["volumes"]
+
+
+def test_every_compose_supernode_takes_the_supernode_choice() -> None:
+    # TESSERA_SUPERNODE picks Tessera's paced launcher or Flower's flower-supernode
+    # for every node (overhead.py's compose-flower mode sets it to flower)
+    choice = "${TESSERA_SUPERNODE:-tessera}"
+    services = _compose("compose.yaml")["services"]
+    jetson = _compose("compose.jetson.yaml")["services"]
+    assert isinstance(services, dict) and isinstance(jetson, dict)
+    for n in range(1, 7):
+        assert services[f"supernode-{n}"]["environment"]["TESSERA_SUPERNODE"] == choice
+    assert jetson["supernode-jetson"]["environment"]["TESSERA_SUPERNODE"] == choice

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tessera.executor import (
+    AUTO,
     DEFAULT_PRELOAD,
     WARM_UP_MODULE,
     ExecutorConfig,
@@ -38,7 +39,8 @@ def test_parse_preload_reads_names_and_refuses_what_is_not_one() -> None:
 
 def test_parse_args_defaults_and_choices(tmp_path: Path) -> None:
     # Execute
-    plain = parse_args(["--insecure", "--appio-api-address", "127.0.0.1:9094"])
+    base = ["--insecure", "--appio-api-address", "127.0.0.1:9094"]
+    plain = parse_args(base)
     ca = tmp_path / "ca.crt"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     tls = parse_args(
@@ -58,6 +60,9 @@ def test_parse_args_defaults_and_choices(tmp_path: Path) -> None:
     # Assert
     assert plain == ExecutorConfig(appio_api_address="127.0.0.1:9094", insecure=True)
     assert plain.preload == DEFAULT_PRELOAD and plain.warm_up and plain.poll_interval == 0.1
+    assert plain.bytecode_cache == AUTO
+    assert parse_args([*base, "--bytecode-cache", ""]).bytecode_cache is None
+    assert parse_args([*base, "--bytecode-cache", str(tmp_path)]).bytecode_cache == str(tmp_path)
     assert tls.root_certificates == ca and not tls.insecure
     assert tls.preload == () and not tls.warm_up and tls.poll_interval == 0.5
 
@@ -81,6 +86,10 @@ def test_parse_args_defaults_and_choices(tmp_path: Path) -> None:
         (
             ["--appio-api-address", "a:1", "--root-certificates", "/nonexistent/ca.crt"],
             "/nonexistent/ca.crt: no such file",
+        ),
+        (
+            ["--appio-api-address", "a:1", "--insecure", "--bytecode-cache", "/etc/hostname"],
+            "--bytecode-cache /etc/hostname: not a folder; give a folder, 'auto' or ''",
         ),
     ],
 )
@@ -203,8 +212,10 @@ def test_sigterm_stops_the_executor_and_its_fork_server(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
 
-        # Assert: a clean exit, and the fork server went with it
+        # Assert: a clean exit, the fork server went with it, so did the bytecode cache
         assert code == 0, log.read_text()
+        cache = log.read_text().split("caching the app's compiled modules in ")[1].split()[0]
+        assert "tessera-executor-pyc-" in cache and not Path(cache).exists()
         deadline = time.monotonic() + 10
         while not all(process_gone(p) for p in spawned) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -274,3 +285,55 @@ def test_the_start_steps_are_timed_in_a_copy_of_flower_s_runtime() -> None:
     text = describe_steps(timings, time.monotonic())
     assert text.startswith("message pulled 0.0") and "app loaded 0.00 s" in text
     assert "FAB installed" not in text  # a step the stand-in lacks is left out
+
+
+COMPILE_CHILD = """
+import sys
+from tessera.executor import fork_server
+ctx = fork_server((), warm_up=False)
+code = (
+    "import sys; from tessera.executor import cache_bytecode; "
+    f"cache_bytecode({sys.argv[1]!r} or None); sys.path.insert(0, {sys.argv[2]!r}); "
+    "import app_module"
+)
+child = ctx.Process(target=exec, args=(code,))
+child.start(); child.join(60)
+sys.exit(child.exitcode)
+"""
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_clientapp_process_caches_the_app_s_bytecode_where_the_environment_forbids_it(
+    tmp_path: Path, cached: bool
+) -> None:
+    # Prepare: an app module, and a forked process told not to write bytecode (as the
+    # images' PYTHONDONTWRITEBYTECODE tells Flower's ClientApp processes)
+    app = tmp_path / "fab"
+    app.mkdir()
+    (app / "app_module.py").write_text("VALUE = 1\n")
+    cache = tmp_path / "pyc"
+    cache.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+
+    # Execute
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHILD, str(cache) if cached else "", str(app)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    # Assert: with the cache the module's bytecode is under it, mirroring the source's
+    # path (the app's folder itself is never written); without it nothing is written
+    assert done.returncode == 0, done.stderr
+    written = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*.pyc"))
+    mirrored = (app / "app_module").relative_to("/").as_posix()
+    assert written == (
+        [f"{mirrored}.cpython-{sys.version_info.major}{sys.version_info.minor}.pyc"]
+        if cached
+        else []
+    )
+    assert not (app / "__pycache__").exists()
