@@ -359,6 +359,38 @@ def phase_table(phases: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+STOCK_PAIRS = {
+    "against-stock-flower": ("deploy-process", "deploy-process-flower"),
+    "compose-against-stock-flower": ("compose", "compose-flower"),
+}
+"""Tessera's deployment mode and the same deployment on Flower's own processes."""
+
+
+def against_stock_flower(
+    results: dict[str, dict[str, Any]],
+) -> dict[str, tuple[str, str, float, float]]:
+    """Return Tessera's round against Flower's ``FedAvg.start`` on Flower's own processes.
+
+    For each pair of :data:`STOCK_PAIRS` whose two modes ran: the two modes, Tessera's
+    ``fedavg`` round seconds on its own processes and Flower's ``FedAvg.start`` round
+    seconds on Flower's (issue 26's ratio, target 0.25).
+
+    Examples
+    --------
+    >>> runs = {"compose": {"fedavg": {"round_seconds": 2.0}},
+    ...         "compose-flower": {"flwr-fedavg": {"round_seconds": 20.0}}}
+    >>> against_stock_flower(runs)
+    {'compose-against-stock-flower': ('compose', 'compose-flower', 2.0, 20.0)}
+    """
+    out = {}
+    for key, (ours_mode, stock_mode) in STOCK_PAIRS.items():
+        if ours_mode in results and stock_mode in results:
+            ours = results[ours_mode]["fedavg"]["round_seconds"]
+            stock = results[stock_mode]["flwr-fedavg"]["round_seconds"]
+            out[key] = (ours_mode, stock_mode, float(ours), float(stock))
+    return out
+
+
 def main() -> int:
     """Run the benchmark and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -422,13 +454,11 @@ def main() -> int:
                 f"{s['slowest_train_seconds']:.2f} | {overhead_s} | {ratio_s} | {memory} |"
             )
         results[mode]["ratio"] = {"round_seconds": ratio, "target": target}
-    if {"deploy-process", "deploy-process-flower"} <= results.keys():
-        ours = results["deploy-process"]["fedavg"]["round_seconds"]
-        stock = results["deploy-process-flower"]["flwr-fedavg"]["round_seconds"]
-        results["against-stock-flower"] = {"ratio": {"round_seconds": ours / stock, "target": 0.25}}
+    for key, (ours_mode, stock_mode, ours, stock) in against_stock_flower(results).items():
+        results[key] = {"ratio": {"round_seconds": ours / stock, "target": 0.25}}
         print(
-            f"\nTessera's round on its own processes (deploy-process) / Flower's FedAvg.start "
-            f"on Flower's own (deploy-process-flower): {ours:.2f} / {stock:.2f} s = "
+            f"\nTessera's round on its own processes ({ours_mode}) / Flower's FedAvg.start "
+            f"on Flower's own ({stock_mode}): {ours:.2f} / {stock:.2f} s = "
             f"{ours / stock:.2f} (target <= 0.25)"
         )
     print(

@@ -1,10 +1,10 @@
-"""benchmarks/overhead.py's memory figure: the PSS of a deployment's processes, by hand."""
+"""benchmarks/overhead.py's memory figure (the PSS of a deployment's processes) and its ratios, by hand."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.overhead import docker_memory_mb, pss_mb
+from benchmarks.overhead import against_stock_flower, docker_memory_mb, pss_mb
 
 
 def _process(root: Path, pid: int, environ: bytes, pss_kb: int | None) -> None:
@@ -45,3 +45,21 @@ def test_docker_memory_sums_the_project_s_containers_by_hand() -> None:
     # Execute / Assert: 512 MiB + 1.5 GiB = 2048 MiB
     assert docker_memory_mb(stats, "tessera-overhead-42") == 2048.0
     assert docker_memory_mb("tessera-overhead-42_x_1 2048KiB / 1GiB", "tessera-overhead-42") == 2.0
+
+
+def test_tessera_s_round_is_set_against_flower_s_on_flower_s_own_processes() -> None:
+    # Prepare: both compose modes ran, only Tessera's deploy-process mode did
+    results = {
+        "compose": {"fedavg": {"round_seconds": 2.5}, "flwr-fedavg": {"round_seconds": 6.0}},
+        "compose-flower": {
+            "fedavg": {"round_seconds": 10.0},
+            "flwr-fedavg": {"round_seconds": 20.0},
+        },
+        "deploy-process": {"fedavg": {"round_seconds": 2.0}, "flwr-fedavg": {"round_seconds": 6.0}},
+    }
+
+    # Execute
+    ratios = against_stock_flower(results)
+
+    # Assert: Tessera's fedavg on its processes against Flower's loop on Flower's
+    assert ratios == {"compose-against-stock-flower": ("compose", "compose-flower", 2.5, 20.0)}
