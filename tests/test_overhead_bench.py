@@ -1,4 +1,4 @@
-"""benchmarks/overhead.py's memory figure (the PSS of a deployment's processes) and its ratios, by hand."""
+"""benchmarks/overhead.py by hand: the PSS of a deployment's processes, and its ratios."""
 
 from __future__ import annotations
 
