@@ -255,8 +255,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ExecutorConfig:
         if path is not None and not path.is_file():
             parser.error(f"{path}: no such file")
     cache: str | None = args.bytecode_cache or None
-    if cache is not None and cache != AUTO and Path(cache).exists() and not Path(cache).is_dir():
-        parser.error(f"--bytecode-cache {cache}: not a folder; give a folder, 'auto' or ''")
+    if cache is not None and cache != AUTO:
+        problem = private_folder_problem(Path(cache))
+        if problem:
+            parser.error(f"--bytecode-cache {cache}: {problem}")
     return ExecutorConfig(
         appio_api_address=args.appio_api_address,
         insecure=args.insecure,
@@ -365,6 +367,28 @@ def shorten_object_pull_backoff(first: float = OBJECT_PULL_BACKOFF) -> bool:
             defaults["initial_backoff"] = first
             changed = True
     return changed
+
+
+def private_folder_problem(folder: Path) -> str:
+    """Return why ``folder`` cannot hold cached bytecode ('' when it can, or is missing).
+
+    Python runs whatever bytecode it finds there for a source of the recorded time and
+    size, so the folder must be this user's alone: another user who can write to it
+    could plant code that the ClientApps run.
+    """
+    if not folder.exists():
+        return ""
+    if not folder.is_dir():
+        return "not a folder; give a folder, 'auto' or ''"
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        return f"owned by uid {info.st_uid}, not this user ({os.getuid()}); give a folder of yours"
+    if info.st_mode & 0o022:
+        return (
+            f"writable by other users (mode {info.st_mode & 0o777:o}); "
+            f"make it private (chmod 700) or give 'auto'"
+        )
+    return ""
 
 
 def cache_bytecode(folder: str | None) -> None:

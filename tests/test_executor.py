@@ -62,6 +62,7 @@ def test_parse_args_defaults_and_choices(tmp_path: Path) -> None:
     assert plain.preload == DEFAULT_PRELOAD and plain.warm_up and plain.poll_interval == 0.1
     assert plain.bytecode_cache == AUTO
     assert parse_args([*base, "--bytecode-cache", ""]).bytecode_cache is None
+    tmp_path.chmod(0o700)
     assert parse_args([*base, "--bytecode-cache", str(tmp_path)]).bytecode_cache == str(tmp_path)
     assert tls.root_certificates == ca and not tls.insecure
     assert tls.preload == () and not tls.warm_up and tls.poll_interval == 0.5
@@ -337,3 +338,17 @@ def test_a_clientapp_process_caches_the_app_s_bytecode_where_the_environment_for
         else []
     )
     assert not (app / "__pycache__").exists()
+
+
+def test_a_bytecode_cache_that_others_can_write_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # another user able to write there could plant bytecode that the ClientApps run
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(SystemExit):
+        parse_args(["--insecure", "--appio-api-address", "a:1", "--bytecode-cache", str(shared)])
+    err = capsys.readouterr().err
+    assert f"--bytecode-cache {shared}: writable by other users (mode 777)" in err
+    assert "chmod 700" in err
