@@ -603,6 +603,25 @@ def test_a_bad_personalised_row_is_refused(name: str, named: str) -> None:
         compare.check_schemes([name])
 
 
+def finish_tuning(
+    comparison: compare.Comparison, cells: list[compare.Cell], scores: dict[str, float]
+) -> None:
+    """Record tuning cells as finished, each with the score of its candidate value."""
+    for cell in cells:
+        comparison._append(
+            {
+                "key": cell.key,
+                "kind": "scheme",
+                "scheme": cell.label,
+                "partitioning": cell.partitioning.label,
+                "seed": cell.seed,
+                "run_config": dict(cell.config),
+                "fields": {"personal": scores[cell.variant]},
+                "seconds": 0.0,
+            }
+        )
+
+
 def test_tuning_keeps_the_best_value_of_the_validation_seed(tmp_path: Path) -> None:
     args = compare.build_parser().parse_args(
         ["--schemes", "fedhenn", "--tune", "fedhenn:eta0=0.1|1.0", "--out", str(tmp_path)]
@@ -613,20 +632,11 @@ def test_tuning_keeps_the_best_value_of_the_validation_seed(tmp_path: Path) -> N
     assert {c.seed for c in tuning} == {7} and len(tuning) == 2 * 3
     part = comparison.partitionings[0]
     assert comparison.chosen("fedhenn", part) == {}  # nothing run yet: the scheme's own
-    scores = {"eta0=0.1": 0.4, "eta0=1.0": 0.9}
-    for cell in tuning:
-        if cell.partitioning == part:
-            comparison._append(
-                {
-                    "key": cell.key,
-                    "kind": "scheme",
-                    "scheme": cell.label,
-                    "partitioning": part.label,
-                    "seed": cell.seed,
-                    "fields": {"personal": scores[cell.variant]},
-                    "seconds": 0.0,
-                }
-            )
+    finish_tuning(
+        comparison,
+        [c for c in tuning if c.partitioning == part],
+        {"eta0=0.1": 0.4, "eta0=1.0": 0.9},
+    )
     assert comparison.chosen("fedhenn", part) == {"eta0": 1.0}
     fedhenn = next(
         c for c in comparison.cells() if c.scheme == "fedhenn" and c.partitioning == part
@@ -660,30 +670,15 @@ def test_a_personalised_row_takes_its_schemes_tuned_values(tmp_path: Path) -> No
         ]
     )
     comparison = compare.comparison_from_args(args)
-    part = comparison.partitionings[0]
-
-    def finish(cells: list[compare.Cell], scores: dict[str, float]) -> None:
-        for cell in cells:
-            comparison._append(
-                {
-                    "key": cell.key,
-                    "kind": "scheme",
-                    "scheme": cell.label,
-                    "partitioning": part.label,
-                    "seed": cell.seed,
-                    "run_config": dict(cell.config),
-                    "fields": {"personal": scores[cell.variant]},
-                    "seconds": 0.0,
-                }
-            )
 
     # Act: the scheme's candidates first, then the row's on top of its choice
-    finish(
+    finish_tuning(
+        comparison,
         comparison.tuning_cells(["ensemble"]),
         {"learning-rate=0.05": 0.5, "learning-rate=0.01": 0.8},
     )
     row_tuning = comparison.tuning_cells(["ensemble+ditto"])
-    finish(row_tuning, {"ditto-lambda=0.1": 0.7, "ditto-lambda=1": 0.6})
+    finish_tuning(comparison, row_tuning, {"ditto-lambda=0.1": 0.7, "ditto-lambda=1": 0.6})
 
     # Assert: the row's candidates and its reported cells run at the scheme's rate
     assert {dict(c.config)["learning-rate"] for c in row_tuning} == {0.01}
