@@ -23,7 +23,9 @@ Hyperparameters are never chosen on the reported seeds: ``--tune
 scheme:key=v1|v2`` runs each value on ``--validation-seed`` (a seed not reported,
 so a different server pool, partition and initialisation) and keeps, per
 partitioning, the value with the best personalised accuracy on the clients' held-out
-splits of that seed.
+splits of that seed. A family floor ``local:<scheme>`` and a personalised row
+``<scheme>+<mode>`` run with the values chosen for ``<scheme>``; the row's own tuned
+keys (``--tune 'ensemble+ditto:ditto-lambda=...'``) are chosen on top of them.
 
 Usage::
 
