@@ -179,6 +179,16 @@ start_group() {
             "$@" >"$logfile" 2>&1 </dev/null &
     fi
     pid=$!
+    # The child makes its session only once it runs setsid, some time after `&`
+    # returns; until then no group $pid exists, and a check or a kill of the group
+    # would take it for gone (and miss it). Wait until it leads its own group.
+    local tries=0 pg
+    while [ "$tries" -lt 500 ]; do
+        pg="$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')"
+        { [ -z "$pg" ] || [ "$pg" = "$pid" ]; } && break
+        sleep 0.01
+        tries=$((tries + 1))
+    done
     last_pgid="$pid"
     pgids+=("$pid")
 }
