@@ -200,16 +200,18 @@ def test_the_bound_cannot_be_ratcheted_over_rounds() -> None:
         scale = dict(acc.report().medians)
         # Assert: a minority does not move it at all
         assert scale == {"parameters": 1.0}
-    # with clip-factor 3 what they get accepted is 3x the scale: the median of
-    # (1, 1, 3s, 3s, 3s) is 3s, kept within 2x the last scale
-    for expected in (2.0, 4.0, 8.0):
-        acc = MeanAccumulator(vec(0.0), clip_factor=3.0, previous=scale)
-        for value in (1.0, 1.0, 1e6, 1e6, 1e6):
-            acc.add(vec(value), 1.0)
-        acc.result()
-        scale = dict(acc.report().medians)
-        # a majority moves it by at most bound-growth (2) a round
-        assert scale == {"parameters": expected}
+    # a majority's distances count as sent, at most 2x their bound: the median of
+    # (1, 1, 2b, 2b, 2b) is 2b, kept within 2x the last scale (at clip-factor 1 and 3)
+    for clip_factor in (1.0, 3.0):
+        scale = {"parameters": 1.0}
+        for expected in (2.0, 4.0, 8.0):
+            acc = MeanAccumulator(vec(0.0), clip_factor=clip_factor, previous=scale)
+            for value in (1.0, 1.0, 1e6, 1e6, 1e6):
+                acc.add(vec(value), 1.0)
+            acc.result()
+            scale = dict(acc.report().medians)
+            # a majority moves it by at most bound-growth (2) a round
+            assert scale == {"parameters": expected}
 
 
 # ---------------------------------------------------------------- weight caps
@@ -569,6 +571,42 @@ def test_a_later_round_bounds_each_class_by_its_scale_or_the_pooled_one() -> Non
         (1, pytest.approx(2.0 * math.sqrt(0.5))),
         (2, pytest.approx(4.0)),
     ]
+
+
+def test_a_slice_class_whose_updates_outgrow_its_bound_raises_its_scale() -> None:
+    # Prepare: HeteroFL's narrow class (two 4-element slices) after its scale fell to
+    # 0.48; its clients now move 1.4 and 2.4 (measured: every update 1.4-5x the
+    # bound). Before, each counted at the bound, the next scale was 0.48 again, and
+    # the class never learned.
+    scale: dict[str, float] = {"parameters": 4.0, "parameters@4": 0.48}
+    seen = []
+    for _ in range(3):
+        acc = MeanAccumulator({"w": np.zeros(16, np.float32)}, clip_factor=1.0, previous=scale)
+        for d in (1.4, 2.4):
+            update, index = slice_update([d, 0.0, 0.0, 0.0])
+            acc.add(update, 1.0, index=index)
+        acc.result()
+        scale = dict(acc.report().medians)
+        seen.append(scale["parameters@4"])
+    # Assert: lower median of what they sent, each at most 2x its bound, within 2x the
+    # last scale: 0.96 (both at 2 x 0.48), then 1.4 (1.4 and min(2.4, 1.92))
+    assert seen == [pytest.approx(0.96), pytest.approx(1.4), pytest.approx(1.4)]
+
+
+def test_the_scale_follows_honest_updates_that_grow_and_shrink() -> None:
+    # Prepare / Execute: clip-factor 1, scale 1; every update 1.5 (all clipped)
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous={"parameters": 1.0})
+    for value in (1.5, 1.6, 1.7):
+        acc.add(vec(value), 1.0)
+    acc.result()
+    # Assert: the next scale is their lower median 1.6 (it held at 1 before)
+    assert acc.report().medians == {"parameters": pytest.approx(1.6)}
+    # and it falls as they shrink (0.7, 0.8, 0.9: lower median 0.8)
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous={"parameters": 1.6})
+    for value in (0.7, 0.8, 0.9):
+        acc.add(vec(value), 1.0)
+    acc.result()
+    assert acc.report().medians == {"parameters": pytest.approx(0.8)}
 
 
 def test_warm_up_leaves_every_loop_compiled_for_both_dtypes(measure_path: str) -> None:

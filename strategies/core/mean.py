@@ -102,11 +102,11 @@ class MeanAccumulator:
     The bound of a kind of entry is the smaller of
 
     - ``clip_factor`` times its *scale*: the lower median of the distances the
-      model's last committed round *accepted* (after clipping, so what an attacker
-      sent beyond the bound never enters it), moved by at most a factor
-      ``growth`` per round (:func:`~strategies.core.scales.next_scale`): a minority
-      of nodes can only pick which honest distance is the median, and a majority can
-      move the bound by at most ``growth`` per round;
+      model's last committed round *accepted* (each as sent, at most ``growth``
+      times its bound: :func:`~strategies.core.scales.scale_evidence`), moved by at
+      most a factor ``growth`` per round (:func:`~strategies.core.scales.next_scale`):
+      a minority of nodes can only pick which honest distance is the median, and a
+      majority can move the bound by at most ``growth`` per round;
     - ``ceiling`` times the L2 norm of the reference's entries of that kind (a
       scale that does not come from any node: it bounds a node alone in its
       architecture group, and a model's first round).
@@ -526,7 +526,8 @@ class MeanAccumulator:
         """Return the next round's scale per kind of entry and the clipped updates.
 
         The scale is :func:`~strategies.core.scales.next_scale` of the distances this
-        round accepted (what was folded, after clipping) and the last round's scale.
+        round accepted (each as sent, at most ``growth`` x its bound) and the last
+        round's scale.
         """
         self._settle_held()
         return AccumulatorReport(medians=self.scales.medians(), clips=tuple(self._clips))

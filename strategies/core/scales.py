@@ -2,7 +2,8 @@
 
 The bound of a kind of entry (:func:`~strategies.core.aggregators.entry_kind`) is
 ``clip-factor`` times its *scale*, the lower median of the distances the last
-committed round accepted, moved by at most ``bound-growth`` a round
+committed round accepted (what each sent, at most ``bound-growth`` x its bound:
+:func:`scale_evidence`), moved by at most ``bound-growth`` a round
 (:func:`next_scale`), and at most ``clip-ceiling`` times the global model's own norm.
 Sub-model slices of one width are measured against each other (:func:`scale_key`),
 and every update also counts in whole-model units towards the pooled scale
@@ -35,11 +36,12 @@ moves on digits: learned parameters 0.14-0.32 of their norm, statistics 0.8)."""
 def next_scale(accepted: Sequence[float], previous: float | None, growth: float) -> float:
     """Return the next round's clip scale from the distances a round accepted.
 
-    The lower median of ``accepted`` (after clipping, so an update sent beyond the
-    bound counts at the bound), kept within ``[previous / growth, previous *
-    growth]`` when there is a previous scale: a majority of hostile nodes can move
-    the bound by at most ``growth`` per round, and a minority only picks which
-    honest distance is the median.
+    The lower median of ``accepted`` (what each accepted update sent, at most
+    ``growth`` x its bound: :func:`scale_evidence`), kept within ``[previous /
+    growth, previous * growth]`` when there is a previous scale: a majority of
+    hostile nodes can move the bound by at most ``growth`` per round (and never past
+    ``clip-ceiling``), and a minority only picks which honest distance is the
+    median.
 
     Raises
     ------
@@ -52,6 +54,24 @@ def next_scale(accepted: Sequence[float], previous: float | None, growth: float)
     if previous is None:
         return median
     return min(max(median, previous / growth), previous * growth)
+
+
+def scale_evidence(sent: float, bound: float, growth: float) -> float:
+    """Return what a distance tells the next scale: ``sent``, at most ``growth`` x ``bound``.
+
+    The update itself is folded clipped to ``bound``; its evidence for the scale is
+    what it sent, so that a class whose honest updates all outgrow the bound moves
+    its scale up (by at most ``growth`` a round, :func:`next_scale`). Counting a
+    clipped update *at* the bound instead made the scale a ratchet at
+    ``clip-factor=1``: every accepted distance is then at most the scale, so their
+    median can only fall or hold, and a slice class whose scale once fell (a small
+    update in a class of two) never followed its clients again. The cap keeps the
+    evidence finite and no larger than the clamp lets it act.
+
+    >>> scale_evidence(3.0, 1.0, 2.0), scale_evidence(1.5, 1.0, 2.0), scale_evidence(0.5, 1.0, 2.0)
+    (2.0, 1.5, 0.5)
+    """
+    return min(sent, growth * bound) if bound > 0 else sent
 
 
 POOLED = "all"
@@ -209,12 +229,14 @@ class ScaleBook:
         """
         factors: dict[str, float] = {}
         clips: list[Clip] = []
-        for kind, distance in distances.items():
+        for kind, sent in distances.items():
             bound = bounds.get(kind, 0.0)
-            if bound > 0 and distance > bound:
-                factors[kind] = bound / distance
-                clips.append(Clip(position, kind, distance, bound))
-                distance = bound
+            distance = sent
+            if bound > 0 and sent > bound:
+                factors[kind] = bound / sent
+                clips.append(Clip(position, kind, sent, bound))
+                # a first round's bounds are its own medians: nothing to grow from
+                distance = scale_evidence(sent, bound, self.growth if self.previous else 1.0)
             if distance > 0:
                 size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
                 self.accepted.setdefault(scale_key(kind, n, size), []).append(distance)
@@ -281,9 +303,9 @@ class ScaleBook:
     def medians(self) -> dict[str, float]:
         """Return the next round's scale per key.
 
-        :func:`next_scale` of the distances this round accepted (what was folded,
-        after clipping) and the last round's scale; a class nobody moved keeps its
-        scale.
+        :func:`next_scale` of the distances this round accepted (each at most
+        ``growth`` x its bound, :func:`scale_evidence`) and the last round's scale; a
+        class nobody moved keeps its scale.
         """
         medians: dict[str, float] = {}
         for key, accepted in sorted(self.accepted.items()):
