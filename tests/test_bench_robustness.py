@@ -198,10 +198,15 @@ def test_clean_cost_pairs_the_seeds_both_aggregators_ran(bench: ModuleType) -> N
     # Prepare: the default on seeds 0, 1, 2; the unbounded mean on seeds 0 and 1 only;
     # an attacked row that must not count; a knowledge scheme judged on its clients
     def row(
-        scheme: str, aggregator: str, seed: int, acc: float, attack: str = "clean"
+        scheme: str,
+        aggregator: str,
+        seed: int,
+        acc: float,
+        attack: str = "clean",
+        personal: float | None = None,
     ) -> dict[str, Any]:
         metric = "honest_accuracy" if scheme in bench.KNOWLEDGE_SCHEMES else "global_accuracy"
-        return {
+        out = {
             "scheme": scheme,
             "partitioner": "iid",
             "aggregator": aggregator,
@@ -212,13 +217,16 @@ def test_clean_cost_pairs_the_seeds_both_aggregators_ran(bench: ModuleType) -> N
             "rounds": 5,
             metric: acc,
         }
+        if personal is not None:
+            out["honest_accuracy"] = personal
+        return out
 
     rows = [
-        row("fedavg", "mean", 0, 0.90),
-        row("fedavg", "mean", 1, 0.80),
+        row("fedavg", "mean", 0, 0.90, personal=0.60),
+        row("fedavg", "mean", 1, 0.80, personal=0.70),
         row("fedavg", "mean", 2, 0.10),  # no unbounded partner: left out
-        row("fedavg", "mean-unbounded", 0, 0.93),
-        row("fedavg", "mean-unbounded", 1, 0.79),
+        row("fedavg", "mean-unbounded", 0, 0.93, personal=0.80),
+        row("fedavg", "mean-unbounded", 1, 0.79, personal=0.74),
         row("fedavg", "mean-unbounded", 1, 0.20, attack="sign-flip"),
         row("felo", "mean", 0, 0.50),
     ]
@@ -232,8 +240,15 @@ def test_clean_cost_pairs_the_seeds_both_aggregators_ran(bench: ModuleType) -> N
     assert summary["unbounded"] == pytest.approx(0.86)
     assert summary["cost"] == pytest.approx(1.0)
     assert summary["cost_std"] == pytest.approx(8**0.5)
-    assert "| +1.0 | 2.8 |" in bench.clean_cost_table(rows)
+    # the clients' personalised accuracy on the same seeds: 0.65 against 0.77, +12
+    assert summary["personal_default"] == pytest.approx(0.65)
+    assert summary["personal_unbounded"] == pytest.approx(0.77)
+    assert summary["personal_cost"] == pytest.approx(12.0)
+    assert "| +1.0 | 2.8 | 65.0 / 77.0 (+12.0) |" in bench.clean_cost_table(rows)
     assert bench.clean_cost_table(rows[:3]) == ""
+    # a run without the personalised figure leaves the column out for that row
+    (bare,) = bench.clean_cost_rows([{**r, "honest_accuracy": None} for r in rows[:5]])
+    assert bare["personal_cost"] is None and bare["cost"] == pytest.approx(1.0)
 
 
 def test_every_scheme_and_label_gives_a_run_config_the_scheme_accepts(
