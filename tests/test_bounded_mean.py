@@ -609,6 +609,44 @@ def test_the_scale_follows_honest_updates_that_grow_and_shrink() -> None:
     assert acc.report().medians == {"parameters": pytest.approx(0.8)}
 
 
+@pytest.mark.parametrize(
+    "previous",
+    [
+        {"parameters": 100.0, "parameters@6": 100.0},  # streamed, nothing clipped
+        {"parameters": 1.0, "parameters@6": 1.0},  # streamed, both clipped
+        None,  # a first round: buffered
+    ],
+)
+def test_a_strided_slice_is_folded_as_its_two_pass_definition(
+    previous: dict[str, float] | None,
+) -> None:
+    # Prepare: HeteroFL's case: a 2 x 3 slice of a 4 x 6 entry (leading output and
+    # input channels: a strided view of the sum). Streamed, such an update went into
+    # a flat copy of the view and was lost, while its weight still counted: narrow
+    # slices shrank every round and never learned.
+    rng = np.random.default_rng(0)
+    ref = {"w": rng.normal(size=(4, 6)).astype(np.float32)}
+    where = (slice(0, 2), slice(0, 3))
+    base = ref["w"][where].astype(np.float64)
+    updates = [base + rng.normal(size=(2, 3)) * s for s in (1.0, 3.0)]
+    acc = MeanAccumulator(ref, clip_factor=1.0, previous=previous)
+    for update in updates:
+        acc.add({"w": update.astype(np.float32)}, 1.0, index={"w": where})
+
+    # Execute
+    out = acc.result()["w"]
+
+    # Assert: the mean of ref + f (update - ref), f = min(1, bound / distance), on the
+    # slice; the rest of the entry keeps the reference
+    deltas = [u.astype(np.float32).astype(np.float64) - base for u in updates]
+    sizes = [float(np.linalg.norm(d)) for d in deltas]
+    bound = min(sizes) if previous is None else previous["parameters@6"]
+    expected = ref["w"].astype(np.float64)
+    kept = [min(1.0, bound / n) * d for d, n in zip(deltas, sizes, strict=True)]
+    expected[where] = base + sum(kept) / 2
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
 def test_warm_up_leaves_every_loop_compiled_for_both_dtypes(measure_path: str) -> None:
     # Prepare / Execute: the warm-up the ServerApp starts in a thread
     thread = fused.start_warm_up()

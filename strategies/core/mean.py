@@ -81,6 +81,32 @@ class _Measured:
             self.over.add(kind)
 
 
+def _add_from(total: np.ndarray, value: np.ndarray, start: int, weight: float) -> None:
+    """Add ``weight * value`` to ``total`` from flat (C-order) element ``start`` on, in place.
+
+    ``total`` may be a strided view (a sub-model slice of a sum): its flat
+    ``reshape`` would be a copy, and an add into it lost. Only a contiguous total can
+    have been folded in part (``start > 0``: the measuring pass folds into flat
+    views only), so a strided one is added to whole, through :func:`add_scaled`,
+    which writes into views.
+
+    Raises
+    ------
+    AggregationError
+        If ``start`` is past 0 on a total that cannot be viewed flat.
+    """
+    if start >= value.size:
+        return
+    if start == 0:
+        add_scaled(total, value, weight)
+        return
+    if not total.flags.c_contiguous:
+        raise AggregationError(
+            f"an update folded {start} elements into a strided sum: it cannot be completed"
+        )
+    add_scaled(flat(total)[start:], flat(value)[start:], weight)
+
+
 def _same_entries(a: Checked, b: Checked) -> bool:
     """Return whether two checked updates hold the same entries, in order, of one dtype each."""
     return list(a) == list(b) and all(a[k][0].dtype == b[k][0].dtype for k in a)
@@ -459,12 +485,10 @@ class MeanAccumulator:
                 ):
                     if done:
                         add_scaled(flat_total[:done], flat_value[:done], -w * (1 - factor))
-                    if done < value.size:
-                        add_scaled(flat_total[done:], flat_value[done:], w * factor)
+                    _add_from(total, value, done, w * factor)
                     add_scaled(total, base, w * (1 - factor))
             elif folded[key] < value.size:  # not over after all (another entry was)
-                flat_total, flat_value = flat(self._sums.target(key, where)), flat(value)
-                add_scaled(flat_total[folded[key] :], flat_value[folded[key] :], w)
+                _add_from(self._sums.target(key, where), value, folded[key], w)
             self._cover.add(key, w, where)
 
     def _fold(self, checked: Checked, w: float, factors: Mapping[str, float]) -> None:
