@@ -476,15 +476,18 @@ class MeanAccumulator:
                 ref = self.reference[key]
                 base = ref if where is None else ref[where]
                 total = self._sums.target(key, where)
-                flat_total, flat_value = flat(total), flat(value)
                 done = folded[key]
                 # the first `done` elements went in at w: take w (1 - f) of them back out;
-                # the rest go in at w f; the reference at w (1 - f) (one pass if compiled)
-                if not fused.correct(
-                    flat_value, base, flat_total, done, -w * (1 - factor), w * factor
+                # the rest go in at w f; the reference at w (1 - f) (one pass if compiled;
+                # a strided slice of the sum has no flat view to pass it)
+                if not (
+                    total.flags.c_contiguous
+                    and fused.correct(
+                        flat(value), base, flat(total), done, -w * (1 - factor), w * factor
+                    )
                 ):
                     if done:
-                        add_scaled(flat_total[:done], flat_value[:done], -w * (1 - factor))
+                        add_scaled(flat(total)[:done], flat(value)[:done], -w * (1 - factor))
                     _add_from(total, value, done, w * factor)
                     add_scaled(total, base, w * (1 - factor))
             elif folded[key] < value.size:  # not over after all (another entry was)
