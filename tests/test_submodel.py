@@ -171,6 +171,46 @@ def test_extract_index_is_what_the_accumulator_takes() -> None:
     np.testing.assert_array_equal(out["sections.0.0.norm.weight"], [7, 7, 102, 103])
 
 
+@pytest.mark.parametrize(
+    ("clip_factor", "previous"),
+    [(100.0, None), (1.0, {"parameters": 1e6, "parameters@all": 1e6})],
+)
+def test_the_bounded_mean_of_slices_is_the_coverage_average(
+    clip_factor: float, previous: dict[str, float] | None
+) -> None:
+    # Prepare: a width-0.5 and a full slice of the toy model, trained (moved) by the
+    # clients; the bounded mean with bounds far above their moves, so nothing is
+    # clipped: in a first round (buffered; its bounds come from the round itself)
+    # and in a later one at the default clip-factor 1 (streamed, where the slice's
+    # conv weights are strided views of the sums: they were added into copies and
+    # lost, 223da63)
+    rng = np.random.default_rng(3)
+    g = random_global(rng)
+    states, indices = [], []
+    for width in (0.5, 1.0):
+        sub, index = extract(g, SubModelSpec(width, (2, 2)), LAYOUT)
+        states.append(
+            {
+                k: v + rng.normal(size=v.shape).astype(v.dtype) if v.dtype.kind == "f" else v
+                for k, v in sub.items()
+            }
+        )
+        indices.append(index)
+    acc = MeanAccumulator(g, clip_factor=clip_factor, previous=previous)
+    for state, index in zip(states, indices, strict=True):
+        acc.add(state, 1.0, index=index)
+
+    # Execute
+    out = acc.result()
+
+    # Assert: every floating entry is the coverage average (HeteroFL's Algorithm)
+    expected = coverage_average(g, states, indices=indices)
+    assert not acc.report().clips
+    for key, value in g.items():
+        if value.dtype.kind == "f":
+            np.testing.assert_allclose(out[key], expected[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
 def test_extract_of_the_full_spec_is_the_identity() -> None:
     rng = np.random.default_rng(0)
     for _ in range(5):
