@@ -566,8 +566,8 @@ def clean_cost_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     A scheme judged on its global model (``fedavg``, the sub-model schemes) also
     gets the cost on its clients' personalised accuracy (``personal_*``; ``None``
     where a run lacks it): the narrow slices the weak devices keep are not in the
-    full model's figure (HeteroFL's froze at chance while its full model lost under
-    a point, ``docs/pages/robustness.md``).
+    full model's figure (HeteroFL's sat at chance under a defect of the bound while
+    its full model lost under a point, ``docs/pages/robustness.md``).
     """
     out: list[dict[str, Any]] = []
 
