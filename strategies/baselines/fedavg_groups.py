@@ -29,7 +29,9 @@ class FedAvgGroupsStrategy(HeteroStrategy[GroupOptionsT]):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
+        self.models = GroupModels(
+            self.aggregator, self.initial_arrays, self.pool_direction, self.reference_classes
+        )
 
     @property
     def group_arrays(self) -> dict[str, dict[str, np.ndarray]]:

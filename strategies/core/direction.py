@@ -7,18 +7,118 @@ most ``threshold`` with the server's own update is dropped whole by
 server's direction, finds the part of it an entry is compared with (the whole
 model's, a slice of it, or the direction a sub-model update came with) and turns a
 measured dot product into that cosine.
+
+Under label skew the server's update on its whole pool is the wrong yardstick: a
+node holding two classes of ten learns to predict those two, and an honest update
+can point away from training on all ten (measured: cosines of -0.8 under
+pathological(2)). So an update from a node whose label counts cover at most
+:data:`SKEW_SHARE` of the pool's classes is compared with the server's own update
+on the pool's examples of those classes (:func:`skewed_classes`), made once per
+model, class set and round, at most :data:`MAX_CLASS_DIRECTIONS` of them a round
+(:class:`ClassDirections`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from strategies.core.aggregators import Index
 from strategies.core.measure import is_parameter, squared_distance
 from strategies.core.sums import Checked
+
+log = logging.getLogger("flwr.tessera")
+
+SKEW_SHARE = 0.5
+"""A node whose label counts cover at most this share of the pool's classes is compared
+with the server's update on its classes only (:func:`skewed_classes`)."""
+
+MAX_CLASS_DIRECTIONS = 16
+"""At most this many class-restricted server updates are trained per round and model
+group; past it an update is compared with the whole pool's (a bound on the server
+work a fleet claiming many class sets can cause)."""
+
+
+def skewed_classes(
+    label_counts: Sequence[int], pool_classes: Iterable[int], *, share: float = SKEW_SHARE
+) -> frozenset[int] | None:
+    """Return the classes a node's update is compared on, or ``None`` for the whole pool.
+
+    Parameters
+    ----------
+    label_counts : Sequence[int]
+        The node's claimed examples per class (its handshake).
+    pool_classes : Iterable[int]
+        The classes the server pool holds examples of.
+    share : float
+        The node must hold at most this share of the pool's classes.
+
+    Returns
+    -------
+    frozenset[int] or None
+        The pool classes the node holds, when they are at least one and at most
+        ``share`` of the pool's classes; otherwise ``None``.
+
+    Examples
+    --------
+    >>> sorted(skewed_classes([0, 5, 0, 3], range(4)))
+    [1, 3]
+    >>> skewed_classes([1, 5, 0, 3], range(4)) is None  # three of four classes
+    True
+    >>> skewed_classes([0, 0, 9, 0], [0, 1, 3]) is None  # holds no class of the pool
+    True
+    """
+    pool = frozenset(int(c) for c in pool_classes)
+    held = frozenset(c for c, n in enumerate(label_counts) if n > 0) & pool
+    if not held or len(held) > share * len(pool):
+        return None
+    return held
+
+
+@dataclass
+class ClassDirections:
+    """The server's class-restricted updates made in one round, by model and class set.
+
+    Attributes
+    ----------
+    limit : int
+        The most that are made (:data:`MAX_CLASS_DIRECTIONS`); past it :meth:`get`
+        returns ``None`` (the caller compares with the whole pool's update).
+    made : dict[tuple[str, frozenset[int]], dict[str, np.ndarray] | None]
+        Those made so far (``None``: made and unusable).
+    """
+
+    limit: int = MAX_CLASS_DIRECTIONS
+    made: dict[tuple[str, frozenset[int]], dict[str, np.ndarray] | None] = field(
+        default_factory=dict
+    )
+    _warned: bool = False
+
+    def get(
+        self,
+        model: str,
+        classes: frozenset[int],
+        make: Callable[[], dict[str, np.ndarray] | None],
+    ) -> dict[str, np.ndarray] | None:
+        """Return the update of ``model`` on ``classes``, made by ``make`` the first time."""
+        key = (model, classes)
+        if key not in self.made:
+            if len(self.made) >= self.limit:
+                if not self._warned:
+                    log.warning(
+                        "more than %d class sets this round: further skewed updates of "
+                        "'%s' are compared with the server's update on its whole pool",
+                        self.limit,
+                        model,
+                    )
+                    self._warned = True
+                return None
+            self.made[key] = make()
+        return self.made[key]
 
 
 class DirectionCheck:

@@ -21,12 +21,20 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.aggregators import DIRECTION, Accumulator, AccumulatorReport, Aggregator, Index
+from strategies.core.direction import ClassDirections
 from strategies.core.mean import parse_scale_key
 from strategies.core.sums import check_update
 from strategies.core.validation import ClientReply
 from tessera import wire
 
 log = logging.getLogger("flwr.tessera")
+
+
+PoolDirection = Callable[
+    [str, Mapping[str, np.ndarray], frozenset[int] | None], dict[str, np.ndarray] | None
+]
+"""The server's own update of a group's weights on its pool, or on some classes of it
+(:meth:`strategies.core.strategy.HeteroStrategy.pool_direction`)."""
 
 
 class NonFiniteStateError(ArithmeticError):
@@ -53,10 +61,13 @@ class GroupRound:
         One accumulator per architecture group that received an update.
     senders : dict[str, list[int | None]]
         The node of each folded update, in folding order (names clipped updates).
+    directions : ClassDirections
+        The server's updates on the classes of label-skewed nodes, made this round.
     """
 
     pending: dict[str, Accumulator] = field(default_factory=dict)
     senders: dict[str, list[int | None]] = field(default_factory=dict)
+    directions: ClassDirections = field(default_factory=ClassDirections)
 
 
 @dataclass(frozen=True)
@@ -84,23 +95,29 @@ class GroupModels:
         Folds updates into new weights.
     initial : Callable[[str], dict[str, np.ndarray]]
         Seeded initial weights of an architecture (the first time it is needed).
-    direction : Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray] | None], optional
+    direction : PoolDirection, optional
         The server's own update of an architecture's current weights on its pool
         (:meth:`strategies.core.strategy.HeteroStrategy.pool_direction`), asked once per
         group and round when its first update arrives, for aggregators that check
         where updates point; ``None`` (or a ``None`` result) leaves it out.
+    classes : Callable[[int], frozenset[int] | None], optional
+        The classes a node's update is compared on
+        (:meth:`strategies.core.strategy.HeteroStrategy.reference_classes`): for a
+        label-skewed node, :meth:`fold` compares its update with ``direction`` on
+        those classes (once per group, class set and round) instead of the whole pool's.
     """
 
     def __init__(
         self,
         aggregator: Aggregator,
         initial: Callable[[str], dict[str, np.ndarray]],
-        direction: Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray] | None]
-        | None = None,
+        direction: PoolDirection | None = None,
+        classes: Callable[[int], frozenset[int] | None] | None = None,
     ) -> None:
         self.aggregator = aggregator
         self.initial = initial
         self.direction = direction
+        self.classes = classes
         self.arrays: dict[str, dict[str, np.ndarray]] = {}
         self.reports: dict[str, AccumulatorReport] = {}
         """Each group's last committed accumulator report (carries the clip bound)."""
@@ -125,11 +142,14 @@ class GroupModels:
         """Fold one accepted update of ``arch`` (sent by ``node``) into ``rnd``'s accumulator.
 
         ``direction``: the server's own update of the slice the update was trained
-        as (see :meth:`Accumulator.add`).
+        as (see :meth:`Accumulator.add`). Without it, a label-skewed node's update is
+        compared with the server's update on the node's classes (``classes``).
         """
+        if direction is None and node is not None:
+            direction = self._class_direction(rnd, arch, node)
         if arch not in rnd.pending:
             current = self.get(arch)
-            toward = None if self.direction is None else self.direction(arch, current)
+            toward = None if self.direction is None else self.direction(arch, current, None)
             if toward is None:
                 acc = self.aggregator.accumulator(current, previous=self.reports.get(arch))
             else:
@@ -146,6 +166,18 @@ class GroupModels:
             acc.add(update, weight, index=index, direction=direction)
         if acc.count > before:
             rnd.senders[arch].append(node)
+
+    def _class_direction(
+        self, rnd: GroupRound, arch: str, node: int
+    ) -> dict[str, np.ndarray] | None:
+        """Return the server's update of ``arch`` on ``node``'s classes, if it is skewed."""
+        if self.direction is None or self.classes is None:
+            return None
+        classes = self.classes(node)
+        if classes is None:
+            return None
+        pool_direction, current = self.direction, self.get(arch)
+        return rnd.directions.get(arch, classes, lambda: pool_direction(arch, current, classes))
 
     def check(
         self,

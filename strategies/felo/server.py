@@ -73,7 +73,9 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.models = GroupModels(self.aggregator, self.initial_arrays, self.pool_direction)
+        self.models = GroupModels(
+            self.aggregator, self.initial_arrays, self.pool_direction, self.reference_classes
+        )
         self.targets: ClassKnowledge | None = None
         self.knowledge_scales: dict[str, float] = {}
         """The last committed round's median row norm per kind (:mod:`strategies.felo.fold`)."""

@@ -42,7 +42,9 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
 
     def new_memes(self) -> GroupModels:
         """Return the meme's :class:`GroupModels`, at the seeded initial meme."""
-        return GroupModels(self.aggregator, self._initial_group, self._meme_direction)
+        return GroupModels(
+            self.aggregator, self._initial_group, self._meme_direction, self.reference_classes
+        )
 
     def _initial_group(self, group: str) -> dict[str, np.ndarray]:
         if group != MEME_GROUP:
@@ -50,9 +52,9 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
         return self.initial_arrays(self.options.meme_arch)
 
     def _meme_direction(
-        self, group: str, weights: Mapping[str, np.ndarray]
+        self, group: str, weights: Mapping[str, np.ndarray], classes: frozenset[int] | None
     ) -> dict[str, np.ndarray] | None:
-        return self.pool_direction(self.options.meme_arch, weights)
+        return self.pool_direction(self.options.meme_arch, weights, classes)
 
     def global_meme(self) -> Mapping[str, np.ndarray]:
         """Return the current global meme (its ``state_dict`` names, exchanged entries)."""

@@ -151,10 +151,13 @@ class FlexiFedStrategy(SubModelStrategy[FlexiFedOptions]):
         return super().group_initial(sorted(group.split("+"))[0])
 
     def pool_direction(
-        self, arch: str, weights: Mapping[str, np.ndarray]
+        self,
+        arch: str,
+        weights: Mapping[str, np.ndarray],
+        classes: frozenset[int] | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of a sharing group (its first architecture's)."""
-        return super().pool_direction(sorted(arch.split("+"))[0], weights)
+        return super().pool_direction(sorted(arch.split("+"))[0], weights, classes)
 
     def archs_in_use(self, extra: str | None = None) -> tuple[str, ...]:
         """Return the architectures assigned to nodes (plus ``extra``), sorted."""

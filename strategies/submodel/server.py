@@ -40,6 +40,7 @@ from flwr.app import RecordDict
 from models.spec import Layout, ModelRef, SubModelSpec
 from strategies.core.aggregators import Index
 from strategies.core.context import RoundContext
+from strategies.core.direction import ClassDirections
 from strategies.core.groups import GroupModels, GroupRound, without_arrays
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
@@ -91,10 +92,17 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
             ref.name: ref for ref in (ModelRef(self.global_name, s) for s in self.specs)
         }
         """The slices a node may train, by printed name."""
-        self.models = GroupModels(self.aggregator, self.group_initial, self.pool_direction)
+        self.models = GroupModels(
+            self.aggregator, self.group_initial, self.pool_direction, self.reference_classes
+        )
         self._index: dict[str, dict[str, Index]] = {}
-        self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None]] = (-1, {})
-        """``(completed round, {slice: the server's own update of it})``, a round's cache."""
+        self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None], ClassDirections] = (
+            -1,
+            {},
+            ClassDirections(),
+        )
+        """``(completed round, {slice: the server's own update of it}, those on some
+        classes)``, a round's cache."""
         if self.env.run.scheme.norm == "batch":
             log.warning(
                 "%s with norm='batch': the server averages the slices' running statistics, "
@@ -169,22 +177,36 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         """The architecture name of the full-size slice (the global model itself)."""
         return ModelRef(self.global_name, self.full).name
 
-    def slice_direction(self, arch: str) -> dict[str, np.ndarray] | None:
+    def slice_direction(
+        self, arch: str, classes: frozenset[int] | None = None
+    ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of slice ``arch`` on its pool (once a round).
 
         A narrow slice learns differently from the same part of the whole model, so
         its update is compared with the slice's own training on the server pool
         (:meth:`~strategies.core.strategy.HeteroStrategy.pool_direction`, from the slice the
-        node received), not with a cut of the whole model's. ``None`` for the
-        full-size slice (the accumulator's own direction is that) or when the
-        direction check is off.
+        node received), not with a cut of the whole model's. With ``classes`` (a
+        label-skewed node's, :meth:`reference_classes`), on the pool's examples of
+        those classes, the full-size slice's too (once per class set and round, a
+        bounded number of them: past it, as without ``classes``). ``None`` for the
+        full-size slice without ``classes`` (the accumulator's own direction is
+        that) or when the direction check is off.
         """
+        done, cache, restricted = self._directions
+        if done != self.completed_round:
+            cache, restricted = {}, ClassDirections()
+            self._directions = (self.completed_round, cache, restricted)
+        if classes is not None:
+
+            def make() -> dict[str, np.ndarray] | None:
+                own = self.pool_direction(arch, self.sub_state(arch), classes)
+                return None if own is None else self.fold_view(own)
+
+            found = restricted.get(arch, classes, make)
+            if found is not None:
+                return found
         if arch == self.full_arch:
             return None
-        done, cache = self._directions
-        if done != self.completed_round:
-            cache = {}
-            self._directions = (self.completed_round, cache)
         if arch not in cache:
             own = self.pool_direction(arch, self.sub_state(arch))
             cache[arch] = None if own is None else self.fold_view(own)
@@ -246,7 +268,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         weight = reply.weight
         if private:  # folded whole or not at all: check the second part before the first
             self.models.check(reply.arch, {k: v for k, v in reply.arrays.items() if k in private})
-        own = self.slice_direction(reply.arch)
+        own = self.slice_direction(reply.arch, self.reference_classes(reply.node_id))
         rnd = ctx.state(GroupRound)
         self.models.fold(
             rnd,
