@@ -14,15 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import RecordDict
 
 from models.spec import ModelRef
 from strategies.core.context import RoundContext
 from strategies.core.direction import ClassDirections, skewed_classes
 from strategies.core.nodes import NodeInfo
-from strategies.core.validation import ClientReply
-from tessera import wire
 from tests.conftest import TINY_DIGITS
+from tests.test_robust_submodel_ensemble import reply
 
 Arrays = dict[str, np.ndarray]
 
@@ -84,16 +82,14 @@ def node_info(node: int, arch: str, label_counts: tuple[int, ...]) -> NodeInfo:
     )
 
 
-def reply(node: int, arch: str, arrays: Mapping[str, np.ndarray]) -> ClientReply:
-    return ClientReply(
-        node_id=node,
-        arch=arch,
-        metrics={wire.NUM_EXAMPLES: 100.0},
-        arrays={k: np.asarray(v) for k, v in arrays.items()},
-        content=RecordDict(),
-        bytes_up=0,
-        bytes_down=0,
-    )
+def groups_server(
+    run_config: Callable[..., dict[str, Any]], digits_bundle: Any, tmp_path: Path
+) -> Any:
+    """A ``fedavg-groups`` server at its defaults (bounded mean, server trust)."""
+    from server_app.app import build_server
+
+    config = run_config({**TINY_DIGITS, "strategy": "fedavg-groups", "output-dir": str(tmp_path)})
+    return build_server(config, bundle=digits_bundle).runner
 
 
 def dot(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
@@ -120,14 +116,11 @@ def test_a_skewed_nodes_update_is_checked_against_training_on_its_own_classes(
     digits_bundle: Any,
     tmp_path: Path,
 ) -> None:
-    from server_app.app import build_server
-
     # Prepare: fedavg-groups at its defaults (bounded mean, server trust); node 1 holds
     # classes 3 and 8 only, node 2 every class. Both send the same update u, which
     # points along the server's training on classes {3, 8} and away from its
     # training on the whole pool.
-    config = run_config({**TINY_DIGITS, "strategy": "fedavg-groups", "output-dir": str(tmp_path)})
-    server = build_server(config, bundle=digits_bundle).runner
+    server = groups_server(run_config, digits_bundle, tmp_path)
     arch = "cnn-1"
     g = server.models.get(arch)
     skewed = tuple(5 if c in (3, 8) else 0 for c in range(10))
@@ -159,10 +152,7 @@ def test_training_on_every_pool_class_is_training_on_the_pool(
     digits_bundle: Any,
     tmp_path: Path,
 ) -> None:
-    from server_app.app import build_server
-
-    config = run_config({**TINY_DIGITS, "strategy": "fedavg-groups", "output-dir": str(tmp_path)})
-    server = build_server(config, bundle=digits_bundle).runner
+    server = groups_server(run_config, digits_bundle, tmp_path)
     g = server.models.get("cnn-1")
     pool_classes = frozenset(int(c) for c in np.unique(server.env.server_pool.y))
     whole = server.pool_direction("cnn-1", g)

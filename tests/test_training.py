@@ -11,7 +11,7 @@ import torch
 
 from models import get_model
 from tessera.data import ArrayDataset
-from tessera.training import OptimConfig, batch_bounds, train_model
+from tessera.training import OptimConfig, batch_bounds, torch_threads, train_model
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,15 @@ def test_train_model_never_feeds_a_short_last_batch() -> None:
 
     # Assert: two batches of 33 per epoch, every example seen
     assert seen == [33, 33, 33, 33] and stats.steps == 4 and stats.num_examples == 66
+
+
+def test_torch_threads_sets_the_count_for_the_block_and_restores_it() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="inside"), torch_threads(1):
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before  # restored after an error too

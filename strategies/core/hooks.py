@@ -112,7 +112,7 @@ class SchemeHooks(Generic[OptionsT]):
         ``None`` when run-config ``server-trust`` is off, the pool (or its part) is
         empty, or the update is not finite.
         """
-        from tessera.training import OptimConfig, cross_entropy_loss, train_model
+        from tessera.training import OptimConfig, cross_entropy_loss, torch_threads, train_model
 
         run = self.env.run
         pool = self.env.server_pool
@@ -138,14 +138,15 @@ class SchemeHooks(Generic[OptionsT]):
             run.training.weight_decay,
         )
         round_seed = run.seed * 7919 + self.completed_round + 1
-        train_model(
-            model,
-            pool,
-            optim=optim,
-            device=torch.device("cpu"),
-            seed=round_seed,
-            loss_fn=cross_entropy_loss,
-        )
+        with torch_threads(1):  # small batches; a second thread only fights the clients
+            train_model(
+                model,
+                pool,
+                optim=optim,
+                device=torch.device("cpu"),
+                seed=round_seed,
+                loss_fn=cross_entropy_loss,
+            )
         trained = wire.exchanged_state(model.state_dict())
         out: dict[str, np.ndarray] = {}
         for key, value in weights.items():

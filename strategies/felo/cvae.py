@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
 from torch import Tensor, nn
 
+from tessera.training import torch_threads
+
 
 @dataclass(frozen=True)
 class CVAEConfig:
@@ -229,12 +231,8 @@ def train_cvae(
     if labels.shape != (features.shape[0],):
         raise ValueError(f"labels {labels.shape} do not match features {features.shape}")
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         losses, recons = _fit(model, features, labels, seed=seed)
-    finally:
-        torch.set_num_threads(threads)
     model.eval()
     return CVAETrainResult(losses, recons, time.perf_counter() - start, features.shape[0])
 
