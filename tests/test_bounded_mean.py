@@ -663,6 +663,42 @@ def test_warm_up_leaves_every_loop_compiled_for_both_dtypes(measure_path: str) -
         assert {"array(float32, 1d, C)", "array(float64, 1d, C)"} <= first_args, loop
 
 
+def test_the_modules_numba_and_the_server_both_import_are_imported_before_the_thread(
+    measure_path: str,
+) -> None:
+    # Prepare: fresh interpreters (nothing imported yet). The first: what numba's
+    # first compile imports, which the ServerApp's thread imports too when
+    # scikit-learn loads a data set; the second: what start_warm_up has imported by
+    # the time it returns (the thread may still be compiling)
+    import subprocess
+    import sys
+
+    if measure_path != "fused":
+        pytest.skip("the torch path compiles nothing")
+    first = (
+        "import sys; from strategies.core import fused; fused.warm_up(); "
+        "print(sorted(m for m in fused.PRE_IMPORTS + ('scipy.linalg.cython_blas',) "
+        "if m in sys.modules))"
+    )
+    second = (
+        "import sys; from strategies.core import fused; t = fused.start_warm_up(); "
+        "print(sorted(m for m in fused.PRE_IMPORTS if m in sys.modules)); t.join(120)"
+    )
+
+    # Execute
+    compiled, started = (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+        ).stdout.strip()
+        for code in (first, second)
+    )
+
+    # Assert: numba's compile imports scipy's BLAS bindings (the module of the
+    # deadlock), and start_warm_up imports them before its thread can
+    assert compiled == str(sorted((*fused.PRE_IMPORTS, "scipy.linalg.cython_blas")))
+    assert started == str(sorted(fused.PRE_IMPORTS))
+
+
 def test_a_lone_survivor_of_the_direction_check_is_bounded_by_the_round_s_sizes() -> None:
     # Prepare: NeFL's case: a group of three in the first round, the server's own
     # update along (1, 0); two honest updates point slightly away (dropped), the

@@ -25,11 +25,12 @@ figures and the tests of both paths).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import cache
 from typing import Any
 
@@ -465,8 +466,23 @@ def warm_up() -> bool:
     return True
 
 
+PRE_IMPORTS = ("scipy.linalg",)
+"""Modules numba's first compile imports (its BLAS bindings, ``scipy.linalg.cython_blas``)
+that the ServerApp's own thread imports too (scikit-learn, loading a data set):
+:func:`start_warm_up` imports them before the warm-up thread starts, so the two
+threads never import them at once. They did once, and Python's import lock raised
+``_DeadlockError`` in the ServerApp thread, which ended the run (a leaderboard cell,
+2026-11-27)."""
+
+
 def start_warm_up() -> threading.Thread:
-    """Run :func:`warm_up` in a daemon thread (the loops release the interpreter lock)."""
+    """Run :func:`warm_up` in a daemon thread (the loops release the interpreter lock).
+
+    :data:`PRE_IMPORTS` are imported first, in the calling thread (0.1 s).
+    """
+    for name in PRE_IMPORTS:
+        with suppress(ImportError):  # numba does without it, and so does the warm-up
+            importlib.import_module(name)
     thread = threading.Thread(target=warm_up, name="tessera-fused-warm-up", daemon=True)
     thread.start()
     return thread
