@@ -200,3 +200,58 @@ def test_a_sub_model_slice_of_a_skewed_node_is_checked_on_its_classes(
     assert not all(np.allclose(narrow_whole[k], narrow_own[k]) for k in narrow_own)
     assert server.slice_direction(narrow, classes) is narrow_own  # once a round
     assert set(narrow_own) == set(narrow_whole)  # in the form fold hands on
+
+
+def test_a_nefl_slices_own_entries_are_checked_against_that_slices_training(
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    tmp_path: Path,
+) -> None:
+    from server_app.app import build_server
+
+    # Prepare: NeFL keeps each slice's normalisation (and steps) apart, in a group of
+    # its own that holds only those entries (the rest stays at the initial slice).
+    # Node 1 sends a private update along the slice's own training on the pool and
+    # away from a training of that mostly initial model (what the group used to be
+    # compared with); node 2 sends the slice's own update reversed.
+    config = run_config(
+        {
+            **TINY_DIGITS,
+            "strategy": "nefl",
+            "model-family": "preresnet",
+            "submodel-widths": "1,0.25",
+            "norm": "batch",
+            "output-dir": str(tmp_path),
+        }
+    )
+    server = build_server(config, bundle=digits_bundle).runner
+    narrow = next(a for a in server.refs if a != server.full_arch)
+    private = server.private_keys(narrow)
+    # the global model has trained (at its initial weights the two trainings coincide)
+    rng = np.random.default_rng(1)
+    for value in server.global_state.values():
+        if np.issubdtype(value.dtype, np.floating):
+            value += (0.3 * value.std() * rng.standard_normal(value.shape)).astype(value.dtype)
+    own = server.slice_direction(narrow)
+    stale = server.pool_direction(narrow, server.models.get(narrow))
+    assert own is not None and stale is not None
+    assert server.group_direction(narrow, server.models.get(narrow)) is own
+    full = server.group_direction(server.full_arch, server.models.get(server.full_arch))
+    assert full is server.slice_direction(server.full_arch, whole=True) and full is not None
+    learned = sorted(k for k in private if k in own)  # statistics are not compared
+    u = apart({k: own[k] for k in learned}, {k: stale[k] for k in learned})
+    start = server.sub_state(narrow)
+    ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
+
+    # Execute
+    for node, sign in ((1, 1.0), (2, -1.0)):
+        arrays = {k: v.copy() for k, v in start.items()}
+        for k in learned:
+            step = u[k] if sign > 0 else -own[k]
+            arrays[k] = (arrays[k] + step).astype(arrays[k].dtype)
+        server.fold(ctx, reply(node, narrow, arrays))
+    record = server.aggregate(ctx, [])
+
+    # Assert: only the reversed update is dropped by the direction check
+    dropped = [c for c in record["clipped"] if c["kind"] == "direction"]
+    assert [c["node"] for c in dropped] == [2]

@@ -159,6 +159,18 @@ class FlexiFedStrategy(SubModelStrategy[FlexiFedOptions]):
         """Return the server's own update of a sharing group (its first architecture's)."""
         return super().pool_direction(sorted(arch.split("+"))[0], weights, classes)
 
+    def group_direction(
+        self,
+        group: str,
+        weights: Mapping[str, np.ndarray],
+        classes: frozenset[int] | None = None,
+    ) -> dict[str, np.ndarray] | None:
+        """Return a sharing group's own update (:meth:`pool_direction`).
+
+        FlexiFed's groups hold whole entries, not a slice's private part.
+        """
+        return self.pool_direction(group, weights, classes)
+
     def archs_in_use(self, extra: str | None = None) -> tuple[str, ...]:
         """Return the architectures assigned to nodes (plus ``extra``), sorted."""
         archs = set(self.assignment.values()) | ({extra} if extra else set())

@@ -93,7 +93,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         }
         """The slices a node may train, by printed name."""
         self.models = GroupModels(
-            self.aggregator, self.group_initial, self.pool_direction, self.reference_classes
+            self.aggregator, self.group_initial, self.group_direction, self.reference_classes
         )
         self._index: dict[str, dict[str, Index]] = {}
         self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None], ClassDirections] = (
@@ -177,8 +177,28 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         """The architecture name of the full-size slice (the global model itself)."""
         return ModelRef(self.global_name, self.full).name
 
+    def group_direction(
+        self,
+        group: str,
+        weights: Mapping[str, np.ndarray],
+        classes: frozenset[int] | None = None,
+    ) -> dict[str, np.ndarray] | None:
+        """Return the server's own update of a group of :attr:`models` (its direction).
+
+        The global model's: :meth:`pool_direction` of ``weights``. A slice's group holds
+        only its :meth:`private_keys` (the rest of it stays at the initial slice), so
+        its direction is the slice's own training from the slice a node receives
+        (:meth:`slice_direction`, the full-size slice's too), not a training of that
+        mostly initial model: that one pointed nowhere in particular and NeFL's
+        normalisation updates were dropped at cosines of -0.14 to 0 (2 to 5 of 8 a
+        round, pathological(2)).
+        """
+        if group in self.refs:
+            return self.slice_direction(group, classes, whole=True)
+        return self.pool_direction(group, weights, classes)
+
     def slice_direction(
-        self, arch: str, classes: frozenset[int] | None = None
+        self, arch: str, classes: frozenset[int] | None = None, *, whole: bool = False
     ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of slice ``arch`` on its pool (once a round).
 
@@ -190,7 +210,8 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         those classes, the full-size slice's too (once per class set and round, a
         bounded number of them: past it, as without ``classes``). ``None`` for the
         full-size slice without ``classes`` (the accumulator's own direction is
-        that) or when the direction check is off.
+        that; ``whole`` makes it anyway, for the slice's private entries) or when the
+        direction check is off.
         """
         done, cache, restricted = self._directions
         if done != self.completed_round:
@@ -205,7 +226,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
             found = restricted.get(arch, classes, make)
             if found is not None:
                 return found
-        if arch == self.full_arch:
+        if arch == self.full_arch and not whole:
             return None
         if arch not in cache:
             own = self.pool_direction(arch, self.sub_state(arch))
