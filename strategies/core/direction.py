@@ -38,9 +38,9 @@ SKEW_SHARE = 0.5
 with the server's update on its classes only (:func:`skewed_classes`)."""
 
 MAX_CLASS_DIRECTIONS = 16
-"""At most this many class-restricted server updates are trained per round and model
-group; past it an update is compared with the whole pool's (a bound on the server
-work a fleet claiming many class sets can cause)."""
+"""At most this many class-restricted server updates are trained a round (over all the
+models a :class:`ClassDirections` serves); past it an update is compared with the whole
+pool's (a bound on the server work a fleet claiming many class sets can cause)."""
 
 
 def skewed_classes(
