@@ -9,7 +9,6 @@ Flower's simulation grid, it makes clients emulate run-config ``sim-device-profi
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,6 +34,7 @@ from tessera.local_grid import (
     node_contexts,
     stamp_pushed,
 )
+from tessera.training import torch_threads
 
 __all__ = [
     "TINY_DIGITS",
@@ -204,23 +204,6 @@ def fast_clients(
     install_fast_clients(monkeypatch, digits_bundle, candidate_cost_cache)
     with torch_threads(1):
         yield
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """Run torch with ``count`` intra-op threads, then restore the previous count.
-
-    Tiny models train faster on one thread, and much faster when other processes
-    compete for the cores (OpenMP threads spin-wait for each other).
-    """
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from strategies.core.context import RoundContext
 from strategies.core.direction import ClassDirections, skewed_classes
 from strategies.core.nodes import NodeInfo
 from tests.conftest import TINY_DIGITS
-from tests.test_robust_submodel_ensemble import reply
+from tests.test_robust_submodel_ensemble import SUBMODEL, reply
 
 Arrays = dict[str, np.ndarray]
 
@@ -176,16 +176,7 @@ def test_a_sub_model_slice_of_a_skewed_node_is_checked_on_its_classes(
 ) -> None:
     from server_app.app import build_server
 
-    config = run_config(
-        {
-            **TINY_DIGITS,
-            "strategy": scheme,
-            "model-family": "preresnet",
-            "submodel-widths": "1,0.25",
-            "norm": "batch",
-            "output-dir": str(tmp_path),
-        }
-    )
+    config = run_config({**SUBMODEL, "strategy": scheme, "output-dir": str(tmp_path)})
     server = build_server(config, bundle=digits_bundle).runner
     narrow = next(a for a in server.refs if a != server.full_arch)
     classes = frozenset({3, 8})
@@ -214,16 +205,7 @@ def test_a_nefl_slices_own_entries_are_checked_against_that_slices_training(
     # Node 1 sends a private update along the slice's own training on the pool and
     # away from a training of that mostly initial model (what the group used to be
     # compared with); node 2 sends the slice's own update reversed.
-    config = run_config(
-        {
-            **TINY_DIGITS,
-            "strategy": "nefl",
-            "model-family": "preresnet",
-            "submodel-widths": "1,0.25",
-            "norm": "batch",
-            "output-dir": str(tmp_path),
-        }
-    )
+    config = run_config({**SUBMODEL, "strategy": "nefl", "output-dir": str(tmp_path)})
     server = build_server(config, bundle=digits_bundle).runner
     narrow = next(a for a in server.refs if a != server.full_arch)
     private = server.private_keys(narrow)
