@@ -1,9 +1,11 @@
-"""The direction check under label skew (issue 23): a node holding few classes is
-compared with the server's own training on those classes, not on the whole pool.
+"""The direction check under label skew (issue 23): a node whose label proportions
+are far from the pool's is compared with the server's own training on its mix of
+the pool, not on the whole pool.
 
 Under pathological(2) the server's update on all ten classes and an honest node's
 update on its two pointed apart (cosines of -0.8 in Velo's leaderboard cell), and
-the bounded ``mean`` dropped honest nodes every round.
+under Dirichlet(0.5) the bounded ``mean`` dropped one to five of eight honest
+updates a round.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ import pytest
 
 from models.spec import ModelRef
 from strategies.core.context import RoundContext
-from strategies.core.direction import ClassDirections, skewed_classes
+from strategies.core.direction import (
+    MIX_GATE,
+    ClassDirections,
+    PoolMix,
+    reference_mix,
+    total_variation,
+)
 from strategies.core.nodes import NodeInfo
+from tessera.data import ArrayDataset
 from tests.conftest import TINY_DIGITS
 from tests.test_robust_submodel_ensemble import SUBMODEL, reply
 
@@ -26,43 +35,82 @@ Arrays = dict[str, np.ndarray]
 
 
 # ----------------------------------------------------------------------- pure pieces
-def test_a_node_is_skewed_when_it_holds_at_most_half_of_the_pools_classes() -> None:
-    ten = range(10)
-    assert skewed_classes([0, 4, 0, 0, 0, 0, 0, 9, 0, 0], ten) == frozenset({1, 7})
-    five = [3, 1, 0, 0, 1, 0, 0, 1, 1, 0]  # five of ten: half
-    assert skewed_classes(five, ten) == frozenset({0, 1, 4, 7, 8})
-    six = [3, 1, 0, 0, 1, 0, 0, 1, 1, 2]
-    assert skewed_classes(six, ten) is None  # six of ten: the whole pool
-    assert skewed_classes([1] * 10, ten) is None  # IID
-    assert skewed_classes([0] * 10, ten) is None  # claims nothing
+def test_total_variation_by_hand() -> None:
+    assert total_variation(np.array([1, 1]), np.array([3, 1])) == pytest.approx(0.25)
+    assert total_variation(np.array([2, 0, 0]), np.array([0, 1, 1])) == pytest.approx(1.0)
+    assert total_variation(np.array([4, 6]), np.array([2, 3])) == pytest.approx(0.0)
+
+
+def test_a_node_gets_a_pool_mix_when_its_label_proportions_are_far_from_the_pools() -> None:
+    pool = [5] * 10
+    assert reference_mix([1] * 10, pool) is None  # IID
+    assert reference_mix([12, 10, 10, 8] + [10] * 6, pool) is None  # TV 0.02: noise
+    assert reference_mix([0] * 10, pool) is None  # claims nothing
+    # two classes in the pool's own proportions: the pool's examples of them, as they are
+    two = [0, 5, 0, 0, 0, 0, 0, 5, 0, 0]
+    assert reference_mix(two, pool) == PoolMix((0, 5, 0, 0, 0, 0, 0, 5, 0, 0), resample=False)
+    # two classes at 1:4 (TV 0.3 from the pool's 1:1): drawn to 1:4 from the 10 examples
+    assert reference_mix([0, 2, 0, 0, 0, 0, 0, 8, 0, 0], pool) == PoolMix(
+        (0, 2, 0, 0, 0, 0, 0, 8, 0, 0), resample=True
+    )
+    # every class, Dirichlet-like (TV 0.5 from the pool): drawn to its proportions,
+    # largest remainders (7.5 and 2.5 of 10: the first gets the spare one)
+    assert reference_mix([30, 10, 0, 0], [5, 5, 5, 5]) == PoolMix((8, 2, 0, 0), resample=True)
+    assert reference_mix([50, 10, 20, 20], [5, 5, 5, 5]) == PoolMix((10, 2, 4, 4), resample=True)
+    assert reference_mix([40, 20, 20, 20], [5, 5, 5, 5]) is None  # TV 0.15
     # only the pool's classes count: a class the pool lacks gives no yardstick
-    assert skewed_classes([5, 5, 0, 0], [0, 2, 3]) == frozenset({0})
-    assert skewed_classes([0, 5, 0, 0], [0, 2, 3]) is None
-    # the share is a parameter
-    assert skewed_classes([1, 1, 1, 0], range(4), share=0.75) == frozenset({0, 1, 2})
-    assert skewed_classes([1, 1, 1, 0], range(4)) is None
+    assert reference_mix([5, 5, 0, 0], [4, 0, 4, 4]) == PoolMix((4, 0, 0, 0), resample=False)
+    assert reference_mix([0, 5, 0, 0], [4, 0, 4, 4]) is None
+    assert reference_mix([1, 1, 1, 9], [3, 3, 3]) is None  # class 3: not in the pool
+    # the gate is a parameter
+    assert reference_mix([12, 10, 10, 8], [5, 5, 5, 5], gate=0.01) == PoolMix(
+        (6, 5, 5, 4), resample=True
+    )
+    assert MIX_GATE == 0.2
 
 
-def test_class_directions_are_made_once_per_model_and_class_set_and_bounded() -> None:
-    made: list[tuple[str, frozenset[int]]] = []
+def test_a_pool_mix_selects_the_pools_examples_or_draws_them_to_its_counts() -> None:
+    y = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2])
+    pool = ArrayDataset(np.arange(len(y), dtype=np.float32)[:, None], y)
+    kept = PoolMix((3, 0, 7), resample=False).select(pool, seed=(0, 1))
+    assert kept.y.tolist() == [0, 0, 0] + [2] * 7
+    assert kept.x[:, 0].tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]
+    mix = PoolMix((5, 1, 2), resample=True)
+    drawn = mix.select(pool, seed=(0, 1))
+    assert np.bincount(drawn.y).tolist() == [5, 1, 2]
+    # class 0: all three once and two of them again; class 2: two distinct examples
+    uses = np.bincount(drawn.x[:, 0].astype(np.int64), minlength=len(y))
+    assert uses[:3].tolist() in ([2, 2, 1], [2, 1, 2], [1, 2, 2])
+    assert uses[5:].max() == 1
+    assert np.array_equal(mix.select(pool, seed=(0, 1)).x, drawn.x)  # seeded
+    assert mix.classes == frozenset({0, 1, 2})
+    assert mix.distance(PoolMix((5, 1, 2), resample=False)) == 0.0
+    assert mix.distance(PoolMix((0, 0, 4), resample=True)) == pytest.approx(0.75)
 
-    def maker(model: str, classes: frozenset[int]) -> Callable[[], Arrays | None]:
+
+def test_class_directions_are_made_once_per_model_and_mix_and_bounded() -> None:
+    made: list[tuple[str, PoolMix]] = []
+
+    def maker(model: str, mix: PoolMix) -> Callable[[], Arrays | None]:
         def make() -> Arrays | None:
-            made.append((model, classes))
+            made.append((model, mix))
             return {"w": np.full(2, float(len(made)), np.float32)}
 
         return make
 
     cache = ClassDirections(limit=2)
-    a, b, c = frozenset({1}), frozenset({2, 3}), frozenset({4})
+    a = PoolMix((5, 5, 0), resample=False)
+    b = PoolMix((1, 9, 0), resample=True)
+    c = PoolMix((9, 1, 0), resample=True)
     first = cache.get("m", a, maker("m", a))
     assert cache.get("m", a, maker("m", a)) is first  # cached
-    assert cache.get("n", a, maker("n", a)) is not first  # another model
-    assert made == [("m", a), ("n", a)]
-    # past the limit: nothing more is trained, the caller uses the whole pool's
-    assert cache.get("m", b, maker("m", b)) is None
-    assert cache.get("m", c, maker("m", c)) is None
-    assert cache.get("m", a, maker("m", a)) is first  # those made stay
+    assert cache.get("n", b, maker("n", b)) is not first  # another model
+    assert made == [("m", a), ("n", b)]
+    # past the limit nothing more is trained: the nearest made mix of the same model
+    assert cache.get("m", b, maker("m", b)) is first
+    assert cache.get("m", c, maker("m", c)) is first
+    assert cache.get("n", c, maker("n", c)) is cache.made[("n", b)]
+    assert cache.get("o", a, maker("o", a)) is None  # none made of that model
     assert len(made) == 2
 
 
@@ -111,25 +159,35 @@ def apart(own: Arrays, whole: Arrays) -> Arrays:
     return out
 
 
-def test_a_skewed_nodes_update_is_checked_against_training_on_its_own_classes(
+@pytest.mark.parametrize(
+    "counts",
+    [
+        tuple(5 if c in (3, 8) else 0 for c in range(10)),  # pathological: two classes
+        (60, 2, 3, 1, 4, 2, 30, 2, 1, 5),  # Dirichlet-like: every class, far from even
+    ],
+    ids=["two-classes", "proportions"],
+)
+def test_a_skewed_nodes_update_is_checked_against_training_on_its_own_mix(
+    counts: tuple[int, ...],
     run_config: Callable[..., dict[str, Any]],
     digits_bundle: Any,
     tmp_path: Path,
 ) -> None:
-    # Prepare: fedavg-groups at its defaults (bounded mean, server trust); node 1 holds
-    # classes 3 and 8 only, node 2 every class. Both send the same update u, which
-    # points along the server's training on classes {3, 8} and away from its
-    # training on the whole pool.
+    # Prepare: fedavg-groups at its defaults (bounded mean, server trust); node 1
+    # claims a skewed label mix, node 2 every class evenly. Both send the same update
+    # u, which points along the server's training on node 1's mix of the pool and
+    # away from its training on the whole pool.
     server = groups_server(run_config, digits_bundle, tmp_path)
     arch = "cnn-1"
     g = server.models.get(arch)
-    skewed = tuple(5 if c in (3, 8) else 0 for c in range(10))
-    server.nodes[1] = node_info(1, arch, skewed)
+    server.nodes[1] = node_info(1, arch, counts)
     server.nodes[2] = node_info(2, arch, (1,) * 10)
-    assert server.reference_classes(1) == frozenset({3, 8})
-    assert server.reference_classes(2) is None
+    mix = server.reference_mix(1)
+    assert mix is not None and server.reference_mix(2) is None
+    held = {c for c, n in enumerate(counts) if n > 0}
+    assert mix.classes == held and mix.resample == (len(held) == 10)
     whole = server.pool_direction(arch, g)
-    own = server.pool_direction(arch, g, frozenset({3, 8}))
+    own = server.pool_direction(arch, g, mix)
     assert whole is not None and own is not None
     u = apart(own, whole)
     moved = {k: (v + u[k]).astype(v.dtype) if k in u else v for k, v in g.items()}
@@ -141,7 +199,7 @@ def test_a_skewed_nodes_update_is_checked_against_training_on_its_own_classes(
     record = server.aggregate(ctx, [])
 
     # Assert: the skewed node's update is folded; the same update from a node that
-    # claims every class is dropped by the check against the whole pool
+    # claims every class evenly is dropped by the check against the whole pool
     dropped = [c for c in record["clipped"] if c["kind"] == "direction"]
     assert [c["node"] for c in dropped] == [2]
     assert dropped[0]["distance"] < 0
@@ -154,21 +212,21 @@ def test_training_on_every_pool_class_is_training_on_the_pool(
 ) -> None:
     server = groups_server(run_config, digits_bundle, tmp_path)
     g = server.models.get("cnn-1")
-    pool_classes = frozenset(int(c) for c in np.unique(server.env.server_pool.y))
+    pool_counts = tuple(int(n) for n in np.bincount(server.env.server_pool.y))
     whole = server.pool_direction("cnn-1", g)
-    same = server.pool_direction("cnn-1", g, pool_classes)
-    two = server.pool_direction("cnn-1", g, frozenset({3, 8}))
+    same = server.pool_direction("cnn-1", g, PoolMix(pool_counts, resample=False))
+    two = server.pool_direction("cnn-1", g, PoolMix((0, 0, 0, 9, 0, 0, 0, 0, 9), False))
     assert whole is not None and same is not None and two is not None
     assert all(np.array_equal(whole[k], same[k]) for k in whole)  # bit for bit
     assert not all(np.allclose(whole[k], two[k]) for k in whole)
-    # the check is off: no class set either
+    # the check is off: no mix either
     server.server_trust = False
     server.nodes[1] = node_info(1, "cnn-1", tuple(5 if c in (3, 8) else 0 for c in range(10)))
-    assert server.reference_classes(1) is None
+    assert server.reference_mix(1) is None
 
 
 @pytest.mark.parametrize("scheme", ["heterofl", "fedfa"])
-def test_a_sub_model_slice_of_a_skewed_node_is_checked_on_its_classes(
+def test_a_sub_model_slice_of_a_skewed_node_is_checked_on_its_mix(
     scheme: str,
     run_config: Callable[..., dict[str, Any]],
     digits_bundle: Any,
@@ -179,17 +237,17 @@ def test_a_sub_model_slice_of_a_skewed_node_is_checked_on_its_classes(
     config = run_config({**SUBMODEL, "strategy": scheme, "output-dir": str(tmp_path)})
     server = build_server(config, bundle=digits_bundle).runner
     narrow = next(a for a in server.refs if a != server.full_arch)
-    classes = frozenset({3, 8})
+    mix = PoolMix((20, 0, 0, 5, 0, 0, 0, 0, 5), resample=True)
     # the full-size slice has no direction of its own on the whole pool (the
-    # accumulator's is that), but one on a skewed node's classes
+    # accumulator's is that), but one on a skewed node's mix
     assert server.slice_direction(server.full_arch) is None
-    full_own = server.slice_direction(server.full_arch, classes)
+    full_own = server.slice_direction(server.full_arch, mix)
     assert full_own is not None
     narrow_whole = server.slice_direction(narrow)
-    narrow_own = server.slice_direction(narrow, classes)
+    narrow_own = server.slice_direction(narrow, mix)
     assert narrow_whole is not None and narrow_own is not None
     assert not all(np.allclose(narrow_whole[k], narrow_own[k]) for k in narrow_own)
-    assert server.slice_direction(narrow, classes) is narrow_own  # once a round
+    assert server.slice_direction(narrow, mix) is narrow_own  # once a round
     assert set(narrow_own) == set(narrow_whole)  # in the form fold hands on
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.aggregators import DIRECTION, Accumulator, AccumulatorReport, Aggregator, Index
-from strategies.core.direction import ClassDirections
+from strategies.core.direction import ClassDirections, PoolMix
 from strategies.core.mean import parse_scale_key
 from strategies.core.sums import check_update
 from strategies.core.validation import ClientReply
@@ -31,9 +31,9 @@ log = logging.getLogger("flwr.tessera")
 
 
 PoolDirection = Callable[
-    [str, Mapping[str, np.ndarray], frozenset[int] | None], dict[str, np.ndarray] | None
+    [str, Mapping[str, np.ndarray], PoolMix | None], dict[str, np.ndarray] | None
 ]
-"""The server's own update of a group's weights on its pool, or on some classes of it
+"""The server's own update of a group's weights on its pool, or on a label mix of it
 (:meth:`strategies.core.strategy.HeteroStrategy.pool_direction`)."""
 
 
@@ -62,7 +62,7 @@ class GroupRound:
     senders : dict[str, list[int | None]]
         The node of each folded update, in folding order (names clipped updates).
     directions : ClassDirections
-        The server's updates on the classes of label-skewed nodes, made this round.
+        The server's updates on the label mixes of label-skewed nodes, made this round.
     """
 
     pending: dict[str, Accumulator] = field(default_factory=dict)
@@ -100,11 +100,11 @@ class GroupModels:
         (:meth:`strategies.core.strategy.HeteroStrategy.pool_direction`), asked once per
         group and round when its first update arrives, for aggregators that check
         where updates point; ``None`` (or a ``None`` result) leaves it out.
-    classes : Callable[[int], frozenset[int] | None], optional
-        The classes a node's update is compared on
-        (:meth:`strategies.core.strategy.HeteroStrategy.reference_classes`): for a
+    mixes : Callable[[int], PoolMix | None], optional
+        The pool mix a node's update is compared on
+        (:meth:`strategies.core.strategy.HeteroStrategy.reference_mix`): for a
         label-skewed node, :meth:`fold` compares its update with ``direction`` on
-        those classes (once per group, class set and round) instead of the whole pool's.
+        that mix (once per group, mix and round) instead of the whole pool's.
     """
 
     def __init__(
@@ -112,12 +112,12 @@ class GroupModels:
         aggregator: Aggregator,
         initial: Callable[[str], dict[str, np.ndarray]],
         direction: PoolDirection | None = None,
-        classes: Callable[[int], frozenset[int] | None] | None = None,
+        mixes: Callable[[int], PoolMix | None] | None = None,
     ) -> None:
         self.aggregator = aggregator
         self.initial = initial
         self.direction = direction
-        self.classes = classes
+        self.mixes = mixes
         self.arrays: dict[str, dict[str, np.ndarray]] = {}
         self.reports: dict[str, AccumulatorReport] = {}
         """Each group's last committed accumulator report (carries the clip bound)."""
@@ -143,7 +143,7 @@ class GroupModels:
 
         ``direction``: the server's own update of the slice the update was trained
         as (see :meth:`Accumulator.add`). Without it, a label-skewed node's update is
-        compared with the server's update on the node's classes (``classes``).
+        compared with the server's update on the node's label mix (``mixes``).
         """
         if direction is None and node is not None:
             direction = self._class_direction(rnd, arch, node)
@@ -170,14 +170,14 @@ class GroupModels:
     def _class_direction(
         self, rnd: GroupRound, arch: str, node: int
     ) -> dict[str, np.ndarray] | None:
-        """Return the server's update of ``arch`` on ``node``'s classes, if it is skewed."""
-        if self.direction is None or self.classes is None:
+        """Return the server's update of ``arch`` on ``node``'s label mix, if it is skewed."""
+        if self.direction is None or self.mixes is None:
             return None
-        classes = self.classes(node)
-        if classes is None:
+        mix = self.mixes(node)
+        if mix is None:
             return None
         pool_direction, current = self.direction, self.get(arch)
-        return rnd.directions.get(arch, classes, lambda: pool_direction(arch, current, classes))
+        return rnd.directions.get(arch, mix, lambda: pool_direction(arch, current, mix))
 
     def check(
         self,

@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord, RecordDict
 from models.spec import SLICE_SEPARATOR, ModelRef
 from strategies.core.aggregators import Aggregator
 from strategies.core.context import FEDERATION, RoundContext, ServerEnv
-from strategies.core.direction import skewed_classes
+from strategies.core.direction import PoolMix, reference_mix
 from strategies.core.nodes import NodeInfo, NodeTable
 from strategies.core.validation import ArraySpec, ClientReply, ReplySchema
 from tessera import wire
@@ -54,7 +54,7 @@ class SchemeHooks(Generic[OptionsT]):
     table: NodeTable
     completed_round: int
     _templates: dict[str, dict[str, np.ndarray]]
-    _pool_classes: frozenset[int] | None = None
+    _pool_counts: tuple[int, ...] | None = None
 
     @property
     def nodes(self) -> dict[int, NodeInfo]:
@@ -98,7 +98,7 @@ class SchemeHooks(Generic[OptionsT]):
         self,
         arch: str,
         weights: Mapping[str, np.ndarray],
-        classes: frozenset[int] | None = None,
+        mix: PoolMix | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of ``arch``'s ``weights`` on its pool, or ``None``.
 
@@ -107,8 +107,9 @@ class SchemeHooks(Generic[OptionsT]):
         the SGD settings), seeded by the run and the round, and returns trained
         minus ``weights`` per floating entry: the direction the bounded ``mean``
         compares each update with (FLTrust's trusted root update, Cao et al. NDSS
-        2021; run-config ``trust-threshold``). With ``classes``, only the pool's
-        examples of those classes (a label-skewed node's, :meth:`reference_classes`).
+        2021; run-config ``trust-threshold``). With ``mix``, on that mix of the pool
+        (a label-skewed node's, :meth:`reference_mix`), drawn with the run's seed and
+        the round.
         ``None`` when run-config ``server-trust`` is off, the pool (or its part) is
         empty, or the update is not finite.
         """
@@ -116,9 +117,8 @@ class SchemeHooks(Generic[OptionsT]):
 
         run = self.env.run
         pool = self.env.server_pool
-        if classes is not None and len(pool) > 0:
-            keep = np.isin(pool.y, np.fromiter(classes, dtype=np.int64))
-            pool = ArrayDataset(pool.x[keep], pool.y[keep])
+        if mix is not None and len(pool) > 0:
+            pool = mix.select(pool, seed=(run.seed, self.completed_round))
         if (
             not self.server_trust
             or len(pool) == 0
@@ -157,21 +157,23 @@ class SchemeHooks(Generic[OptionsT]):
             return None
         return out
 
-    def reference_classes(self, node_id: int | None) -> frozenset[int] | None:
-        """Return the classes ``node_id``'s update is compared on (``None``: the whole pool).
+    def reference_mix(self, node_id: int | None) -> PoolMix | None:
+        """Return the pool mix ``node_id``'s update is compared on (``None``: the whole pool).
 
-        The classes of the server pool the node claims examples of in its handshake,
-        when they are at most half of the pool's
-        (:func:`~strategies.core.direction.skewed_classes`): under label skew an
-        honest update points away from training on every class. A node that lies
-        about its labels is compared with honest training on the classes it names.
+        From the label counts the node claims in its handshake
+        (:func:`~strategies.core.direction.reference_mix`): under label skew an honest
+        update points away from training on every class in the pool's proportions. A
+        node that lies about its labels is compared with honest training on the mix it
+        names (the handshake's counts are checked against ``num-train``).
         """
         info = None if node_id is None else self.nodes.get(node_id)
         if info is None or not self.server_trust:
             return None
-        if self._pool_classes is None:
-            self._pool_classes = frozenset(int(c) for c in np.unique(self.env.server_pool.y))
-        return skewed_classes(info.label_counts, self._pool_classes)
+        if self._pool_counts is None:
+            labels = np.asarray(self.env.server_pool.y, dtype=np.int64)
+            counts = np.bincount(labels[labels >= 0]) if len(labels) else np.zeros(0)
+            self._pool_counts = tuple(int(n) for n in counts)
+        return reference_mix(info.label_counts, self._pool_counts)
 
     def array_spec(self, arch: str) -> ArraySpec:
         """Return the expected names, shapes and dtypes of ``arch``'s arrays."""

@@ -74,7 +74,7 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.models = GroupModels(
-            self.aggregator, self.initial_arrays, self.pool_direction, self.reference_classes
+            self.aggregator, self.initial_arrays, self.pool_direction, self.reference_mix
         )
         self.targets: ClassKnowledge | None = None
         self.knowledge_scales: dict[str, float] = {}

@@ -21,6 +21,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.context import RoundContext
+from strategies.core.direction import PoolMix
 from strategies.core.groups import GroupModels, GroupRound, SharedGroup, restore_shared
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
@@ -43,7 +44,7 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
     def new_memes(self) -> GroupModels:
         """Return the meme's :class:`GroupModels`, at the seeded initial meme."""
         return GroupModels(
-            self.aggregator, self._initial_group, self._meme_direction, self.reference_classes
+            self.aggregator, self._initial_group, self._meme_direction, self.reference_mix
         )
 
     def _initial_group(self, group: str) -> dict[str, np.ndarray]:
@@ -52,9 +53,9 @@ class FMLStrategy(HeteroStrategy[FMLOptions]):
         return self.initial_arrays(self.options.meme_arch)
 
     def _meme_direction(
-        self, group: str, weights: Mapping[str, np.ndarray], classes: frozenset[int] | None
+        self, group: str, weights: Mapping[str, np.ndarray], mix: PoolMix | None
     ) -> dict[str, np.ndarray] | None:
-        return self.pool_direction(self.options.meme_arch, weights, classes)
+        return self.pool_direction(self.options.meme_arch, weights, mix)
 
     def global_meme(self) -> Mapping[str, np.ndarray]:
         """Return the current global meme (its ``state_dict`` names, exchanged entries)."""

@@ -216,7 +216,7 @@ class FedFAStrategy(SubModelStrategy[FedFAOptions]):
             state.accumulator = self._accumulator()
         accumulator = state.accumulator
         before, dropped = accumulator.count, len(accumulator.dropped)
-        own = self.slice_direction(reply.arch, self.reference_classes(reply.node_id))
+        own = self.slice_direction(reply.arch, self.reference_mix(reply.node_id))
         accumulator.add(
             grafted,
             weight,

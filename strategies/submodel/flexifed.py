@@ -39,6 +39,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.context import RoundContext
+from strategies.core.direction import PoolMix
 from strategies.core.groups import GroupRound, non_finite_entries, without_arrays
 from strategies.core.registry import Scheme, register_scheme
 from strategies.core.validation import ArraySpec, ClientReply
@@ -154,22 +155,22 @@ class FlexiFedStrategy(SubModelStrategy[FlexiFedOptions]):
         self,
         arch: str,
         weights: Mapping[str, np.ndarray],
-        classes: frozenset[int] | None = None,
+        mix: PoolMix | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of a sharing group (its first architecture's)."""
-        return super().pool_direction(sorted(arch.split("+"))[0], weights, classes)
+        return super().pool_direction(sorted(arch.split("+"))[0], weights, mix)
 
     def group_direction(
         self,
         group: str,
         weights: Mapping[str, np.ndarray],
-        classes: frozenset[int] | None = None,
+        mix: PoolMix | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Return a sharing group's own update (:meth:`pool_direction`).
 
         FlexiFed's groups hold whole entries, not a slice's private part.
         """
-        return self.pool_direction(group, weights, classes)
+        return self.pool_direction(group, weights, mix)
 
     def archs_in_use(self, extra: str | None = None) -> tuple[str, ...]:
         """Return the architectures assigned to nodes (plus ``extra``), sorted."""

@@ -40,7 +40,7 @@ from flwr.app import RecordDict
 from models.spec import Layout, ModelRef, SubModelSpec
 from strategies.core.aggregators import Index
 from strategies.core.context import RoundContext
-from strategies.core.direction import ClassDirections
+from strategies.core.direction import ClassDirections, PoolMix
 from strategies.core.groups import GroupModels, GroupRound, without_arrays
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
@@ -93,7 +93,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         }
         """The slices a node may train, by printed name."""
         self.models = GroupModels(
-            self.aggregator, self.group_initial, self.group_direction, self.reference_classes
+            self.aggregator, self.group_initial, self.group_direction, self.reference_mix
         )
         self._index: dict[str, dict[str, Index]] = {}
         self._directions: tuple[int, dict[str, dict[str, np.ndarray] | None], ClassDirections] = (
@@ -102,7 +102,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
             ClassDirections(),
         )
         """``(completed round, {slice: the server's own update of it}, those on some
-        classes)``, a round's cache."""
+        label mixes)``, a round's cache."""
         if self.env.run.scheme.norm == "batch":
             log.warning(
                 "%s with norm='batch': the server averages the slices' running statistics, "
@@ -181,7 +181,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         self,
         group: str,
         weights: Mapping[str, np.ndarray],
-        classes: frozenset[int] | None = None,
+        mix: PoolMix | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of a group of :attr:`models` (its direction).
 
@@ -194,22 +194,22 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         round, pathological(2)).
         """
         if group in self.refs:
-            return self.slice_direction(group, classes, whole=True)
-        return self.pool_direction(group, weights, classes)
+            return self.slice_direction(group, mix, whole=True)
+        return self.pool_direction(group, weights, mix)
 
     def slice_direction(
-        self, arch: str, classes: frozenset[int] | None = None, *, whole: bool = False
+        self, arch: str, mix: PoolMix | None = None, *, whole: bool = False
     ) -> dict[str, np.ndarray] | None:
         """Return the server's own update of slice ``arch`` on its pool (once a round).
 
         A narrow slice learns differently from the same part of the whole model, so
         its update is compared with the slice's own training on the server pool
         (:meth:`~strategies.core.strategy.HeteroStrategy.pool_direction`, from the slice the
-        node received), not with a cut of the whole model's. With ``classes`` (a
-        label-skewed node's, :meth:`reference_classes`), on the pool's examples of
-        those classes, the full-size slice's too (once per class set and round, a
-        bounded number of them: past it, as without ``classes``). ``None`` for the
-        full-size slice without ``classes`` (the accumulator's own direction is
+        node received), not with a cut of the whole model's. With ``mix`` (a
+        label-skewed node's, :meth:`reference_mix`), on that mix of the pool, the
+        full-size slice's too (once per mix and round, a bounded number of them: past
+        it, the nearest made). ``None`` for the
+        full-size slice without ``mix`` (the accumulator's own direction is
         that; ``whole`` makes it anyway, for the slice's private entries) or when the
         direction check is off.
         """
@@ -217,13 +217,13 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         if done != self.completed_round:
             cache, restricted = {}, ClassDirections()
             self._directions = (self.completed_round, cache, restricted)
-        if classes is not None:
+        if mix is not None:
 
             def make() -> dict[str, np.ndarray] | None:
-                own = self.pool_direction(arch, self.sub_state(arch), classes)
+                own = self.pool_direction(arch, self.sub_state(arch), mix)
                 return None if own is None else self.fold_view(own)
 
-            found = restricted.get(arch, classes, make)
+            found = restricted.get(arch, mix, make)
             if found is not None:
                 return found
         if arch == self.full_arch and not whole:
@@ -289,7 +289,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         weight = reply.weight
         if private:  # folded whole or not at all: check the second part before the first
             self.models.check(reply.arch, {k: v for k, v in reply.arrays.items() if k in private})
-        own = self.slice_direction(reply.arch, self.reference_classes(reply.node_id))
+        own = self.slice_direction(reply.arch, self.reference_mix(reply.node_id))
         rnd = ctx.state(GroupRound)
         self.models.fold(
             rnd,
