@@ -286,11 +286,15 @@ def test_flexifed_s_default_and_its_common_ablation_differ_only_in_the_threshold
 
     # Execute
     default, common, clip2 = resolved("mean"), resolved("mean-common"), resolved("mean-clip2")
+    clip3, clip3_trust = resolved("mean-clip3"), resolved("mean-clip3-trust")
 
     # Assert: flexifed's own trust-threshold -0.1 by default, the declared 0 without it
     assert (default.trust_threshold, common.trust_threshold) == (-0.1, 0.0)
     assert default.clip_factor == common.clip_factor == 1.0
     assert clip2.clip_factor == 2.0
+    # the previous default had no direction check; its factor beside the check keeps it
+    assert (clip3.clip_factor, clip3.server_trust) == (3.0, False)
+    assert (clip3_trust.clip_factor, clip3_trust.server_trust) == (3.0, True)
 
 
 def test_a_report_runs_nothing_not_even_the_cost_part(
