@@ -37,6 +37,7 @@ from strategies.felo.knowledge import (
     bound_knowledge,
     check_knowledge_record,
     class_means,
+    content_order,
     knowledge_from_arrays,
     knowledge_to_record,
     merge_knowledge,
@@ -679,6 +680,30 @@ def test_velo_records_cvae_training_and_sends_synthetic_features(
     assert not np.allclose(targets.features, averages.features)  # type: ignore[arg-type]
     lines = fed.metrics_lines()
     assert all("cvae_seconds" in line and "cvae_loss" in line for line in lines)
+
+
+def test_velo_s_targets_do_not_depend_on_the_order_replies_arrive_in(
+    federation: Callable[[str], Federation],
+) -> None:
+    # Prepare: a Velo server after two rounds and three clients' knowledge
+    fed = federation("velo")
+    server = fed.server
+    parts = [
+        record_to_knowledge(r.content.array_records[KNOWLEDGE])
+        for r in fed.grid.replies_of("train")[:3]
+    ]
+    merged = merge_knowledge(parts, 10)
+    saved = server.target_state()
+
+    # Execute: round 3's targets from the same parts in two arrival orders
+    first, _ = server.make_targets(3, parts, merged)
+    server.restore_target_state(saved)
+    second, _ = server.make_targets(3, parts[::-1], merged)
+
+    # Assert: the CVAE banks them in one order, so the targets are bit for bit equal
+    assert first.features is not None and second.features is not None
+    np.testing.assert_array_equal(first.features, second.features)
+    assert content_order(parts) == content_order(parts[::-1])
 
 
 def test_velo_trains_its_cvae_every_interval_rounds(

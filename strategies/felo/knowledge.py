@@ -21,6 +21,7 @@ features, ``features`` (float32, ``(K, feature_dim)``). The client sends it as r
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -215,6 +216,32 @@ def collect_knowledge(
         data.y,
         num_classes,
     )
+
+
+def content_order(parts: Sequence[ClassKnowledge]) -> list[ClassKnowledge]:
+    """Return ``parts`` in an order fixed by their contents, not by their arrival.
+
+    Replies arrive in whatever order the clients finish, and node ids change from run
+    to run; a consumer whose result depends on order (Velo's CVAE, trained on the
+    rows in the order they were banked) takes them in the order of a digest of their
+    bytes, so a seeded run reproduces.
+
+    Examples
+    --------
+    >>> a = ClassKnowledge(np.array([0]), np.array([1]), np.zeros((1, 2), np.float32))
+    >>> b = ClassKnowledge(np.array([1]), np.array([1]), np.ones((1, 2), np.float32))
+    >>> content_order([a, b]) == content_order([b, a])
+    True
+    """
+
+    def digest(part: ClassKnowledge) -> bytes:
+        h = hashlib.sha256()
+        for values in (part.class_ids, part.counts, part.logits, part.features):
+            if values is not None:
+                h.update(np.ascontiguousarray(values).tobytes())
+        return h.digest()
+
+    return sorted(parts, key=digest)
 
 
 def cap_counts(knowledge: ClassKnowledge, max_total: float) -> ClassKnowledge:

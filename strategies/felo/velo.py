@@ -14,9 +14,7 @@ import numpy as np
 import torch
 
 from strategies.felo.cvae import CVAE, CVAEConfig, CVAETrainResult, train_cvae
-from strategies.felo.knowledge import (
-    ClassKnowledge,
-)
+from strategies.felo.knowledge import ClassKnowledge, content_order
 from strategies.felo.server import FeloStrategy, log
 
 
@@ -181,8 +179,14 @@ class VeloStrategy(FeloStrategy):
     def make_targets(
         self, server_round: int, parts: Sequence[ClassKnowledge], merged: ClassKnowledge
     ) -> tuple[ClassKnowledge, dict[str, Any]]:
-        """Store the received features, train the CVAE when due, decode class features."""
-        for part in parts:
+        """Store the received features, train the CVAE when due, decode class features.
+
+        The parts are banked in :func:`~strategies.felo.knowledge.content_order`: the
+        CVAE's training depends on the order of its rows, and in arrival order a
+        seeded run did not reproduce (Velo's pathological(2) seed 0 read 93.8 % and
+        98.1 % at the same settings).
+        """
+        for part in content_order(parts):
             assert part.features is not None  # checked by the reply schema
             self.feature_bank.append((server_round, part.class_ids, part.features))
         if self.felo.cvae_history > 0:  # bound the bank's memory to the window
