@@ -23,8 +23,10 @@ from strategies.core.direction import (
     MIX_GATE,
     ClassDirections,
     PoolMix,
+    along_mix,
     reference_mix,
     total_variation,
+    update_cosine,
 )
 from strategies.core.nodes import NodeInfo
 from tessera.data import ArrayDataset
@@ -86,6 +88,28 @@ def test_a_pool_mix_selects_the_pools_examples_or_draws_them_to_its_counts() -> 
     assert mix.classes == frozenset({0, 1, 2})
     assert mix.distance(PoolMix((5, 1, 2), resample=False)) == 0.0
     assert mix.distance(PoolMix((0, 0, 4), resample=True)) == pytest.approx(0.75)
+
+
+def test_update_cosine_and_along_mix_by_hand() -> None:
+    ref = {"w": np.array([1.0, 1.0, 1.0]), "bn.running_var": np.ones(1)}
+    up = {"w": np.array([2.0, 1.0, 1.0]), "bn.running_var": np.array([50.0])}
+    toward = {"w": np.array([1.0, 1.0, 0.0]), "bn.running_var": np.ones(1)}
+    # diff (1, 0, 0) against (1, 1, 0): 1 / sqrt(2); statistics are not compared
+    assert update_cosine(up, ref, toward) == pytest.approx(2**-0.5)
+    away = {"w": -toward["w"], "bn.running_var": np.ones(1)}
+    assert update_cosine(up, ref, away) == pytest.approx(-(2**-0.5))
+    assert update_cosine(ref, ref, toward) is None  # no move
+    # a slice: the reference's entries at the index
+    big = {"w": np.array([[1.0, 1.0, 1.0], [5.0, 5.0, 5.0]])}
+    at = {"w": (slice(0, 1), slice(0, 3))}
+    assert update_cosine({"w": up["w"][None]}, big, {"w": toward["w"][None]}, at) == (
+        pytest.approx(2**-0.5)
+    )
+    drawn, kept = PoolMix((8, 2), resample=True), PoolMix((8, 2), resample=False)
+    assert along_mix(up, ref, drawn, toward, 0.0)
+    assert not along_mix(up, ref, drawn, away, 0.0)
+    assert along_mix(up, ref, kept, away, 0.0)  # a class-restricted mix is always used
+    assert not along_mix(up, ref, drawn, toward, 0.9)  # the threshold
 
 
 def test_class_directions_are_made_once_per_model_and_mix_and_bounded() -> None:
@@ -203,6 +227,40 @@ def test_a_skewed_nodes_update_is_checked_against_training_on_its_own_mix(
     dropped = [c for c in record["clipped"] if c["kind"] == "direction"]
     assert [c["node"] for c in dropped] == [2]
     assert dropped[0]["distance"] < 0
+
+
+def test_a_drawn_mix_node_passes_along_the_whole_pool_too(
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    tmp_path: Path,
+) -> None:
+    # Prepare: nodes 1 and 2 claim the same drawn mix (every class, far from evenly).
+    # Node 1's update points along the server's training on the whole pool and away
+    # from its training on the mix; node 2's points away from both.
+    server = groups_server(run_config, digits_bundle, tmp_path)
+    arch = "cnn-1"
+    g = server.models.get(arch)
+    counts = (60, 2, 3, 1, 4, 2, 30, 2, 1, 5)
+    for node in (1, 2):
+        server.nodes[node] = node_info(node, arch, counts)
+    mix = server.reference_mix(1)
+    assert mix is not None and mix.resample
+    whole = server.pool_direction(arch, g)
+    own = server.pool_direction(arch, g, mix)
+    assert whole is not None and own is not None
+    along_whole = apart(whole, own)  # + with the whole pool's, - with the mix's
+    both_away = {k: -(own[k] + whole[k]) for k in own}
+    ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
+
+    # Execute
+    for node, u in ((1, along_whole), (2, both_away)):
+        moved = {k: (v + u[k]).astype(v.dtype) if k in u else v for k, v in g.items()}
+        server.fold(ctx, reply(node, arch, moved))
+    record = server.aggregate(ctx, [])
+
+    # Assert: node 1 passes on the whole pool's training; node 2 is dropped
+    dropped = [c for c in record["clipped"] if c["kind"] == "direction"]
+    assert [c["node"] for c in dropped] == [2]
 
 
 def test_training_on_every_pool_class_is_training_on_the_pool(

@@ -21,7 +21,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from strategies.core.aggregators import DIRECTION, Accumulator, AccumulatorReport, Aggregator, Index
-from strategies.core.direction import ClassDirections, PoolMix
+from strategies.core.direction import ClassDirections, PoolMix, along_mix
 from strategies.core.mean import parse_scale_key
 from strategies.core.sums import check_update
 from strategies.core.validation import ClientReply
@@ -146,7 +146,7 @@ class GroupModels:
         compared with the server's update on the node's label mix (``mixes``).
         """
         if direction is None and node is not None:
-            direction = self._class_direction(rnd, arch, node)
+            direction = self._class_direction(rnd, arch, node, update, index)
         if arch not in rnd.pending:
             current = self.get(arch)
             toward = None if self.direction is None else self.direction(arch, current, None)
@@ -168,16 +168,29 @@ class GroupModels:
             rnd.senders[arch].append(node)
 
     def _class_direction(
-        self, rnd: GroupRound, arch: str, node: int
+        self,
+        rnd: GroupRound,
+        arch: str,
+        node: int,
+        update: Mapping[str, np.ndarray],
+        index: Mapping[str, Index] | None,
     ) -> dict[str, np.ndarray] | None:
-        """Return the server's update of ``arch`` on ``node``'s label mix, if it is skewed."""
+        """Return the server's update of ``arch`` on ``node``'s label mix, if it is skewed.
+
+        ``None`` (the whole pool's) for a drawn mix the update does not point along
+        (:func:`~strategies.core.direction.along_mix`).
+        """
         if self.direction is None or self.mixes is None:
             return None
         mix = self.mixes(node)
         if mix is None:
             return None
         pool_direction, current = self.direction, self.get(arch)
-        return rnd.directions.get(arch, mix, lambda: pool_direction(arch, current, mix))
+        own = rnd.directions.get(arch, mix, lambda: pool_direction(arch, current, mix))
+        threshold = float(getattr(self.aggregator, "threshold", 0.0))
+        if own is None or not along_mix(update, current, mix, own, threshold, index):
+            return None
+        return own
 
     def check(
         self,

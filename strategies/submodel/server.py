@@ -40,7 +40,7 @@ from flwr.app import RecordDict
 from models.spec import Layout, ModelRef, SubModelSpec
 from strategies.core.aggregators import Index
 from strategies.core.context import RoundContext
-from strategies.core.direction import ClassDirections, PoolMix
+from strategies.core.direction import ClassDirections, PoolMix, along_mix
 from strategies.core.groups import GroupModels, GroupRound, without_arrays
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
@@ -289,7 +289,15 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         weight = reply.weight
         if private:  # folded whole or not at all: check the second part before the first
             self.models.check(reply.arch, {k: v for k, v in reply.arrays.items() if k in private})
-        own = self.slice_direction(reply.arch, self.reference_mix(reply.node_id))
+        mix = self.reference_mix(reply.node_id)
+        own = self.slice_direction(reply.arch, mix)
+        threshold = self.env.run.aggregation.trust_threshold
+        if (
+            mix is not None
+            and own is not None
+            and not along_mix(shared, self.global_state, mix, own, threshold, index)
+        ):
+            own = self.slice_direction(reply.arch)  # the whole pool's (see along_mix)
         rnd = ctx.state(GroupRound)
         self.models.fold(
             rnd,
