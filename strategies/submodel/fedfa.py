@@ -66,7 +66,6 @@ import numpy as np
 from strategies.core.aggregation import AggregationError
 from strategies.core.aggregators import DIRECTION, AccumulatorReport
 from strategies.core.context import RoundContext
-from strategies.core.direction import along_mix
 from strategies.core.groups import (
     GroupRound,
     NonFiniteStateError,
@@ -217,15 +216,7 @@ class FedFAStrategy(SubModelStrategy[FedFAOptions]):
             state.accumulator = self._accumulator()
         accumulator = state.accumulator
         before, dropped = accumulator.count, len(accumulator.dropped)
-        mix = self.reference_mix(reply.node_id)
-        own = self.slice_direction(reply.arch, mix)
-        threshold = self.env.run.aggregation.trust_threshold
-        if (
-            mix is not None
-            and own is not None
-            and not along_mix(grafted, self.global_state, mix, own, threshold, index)
-        ):
-            own = self.slice_direction(reply.arch)  # the whole pool's (see along_mix)
+        own = self.reply_direction(reply.arch, reply.node_id, grafted, index)
         accumulator.add(
             grafted,
             weight,

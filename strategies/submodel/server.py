@@ -233,6 +233,30 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
             cache[arch] = None if own is None else self.fold_view(own)
         return cache[arch]
 
+    def reply_direction(
+        self,
+        arch: str,
+        node_id: int,
+        update: Mapping[str, np.ndarray],
+        index: Mapping[str, Index],
+    ) -> dict[str, np.ndarray] | None:
+        """Return the direction a node's slice update is compared with.
+
+        The slice's training on the node's label mix (:meth:`slice_direction`), or on
+        the whole pool when the mix is drawn and the update does not point along its
+        training (:func:`~strategies.core.direction.along_mix`).
+        """
+        mix = self.reference_mix(node_id)
+        own = self.slice_direction(arch, mix)
+        threshold = self.env.run.aggregation.trust_threshold
+        if (
+            mix is not None
+            and own is not None
+            and not along_mix(update, self.global_state, mix, own, threshold, index)
+        ):
+            own = self.slice_direction(arch)  # the whole pool's (see along_mix)
+        return own
+
     def fold_view(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Return a slice's arrays as :meth:`fold` hands them on (default: as they are).
 
@@ -289,15 +313,7 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         weight = reply.weight
         if private:  # folded whole or not at all: check the second part before the first
             self.models.check(reply.arch, {k: v for k, v in reply.arrays.items() if k in private})
-        mix = self.reference_mix(reply.node_id)
-        own = self.slice_direction(reply.arch, mix)
-        threshold = self.env.run.aggregation.trust_threshold
-        if (
-            mix is not None
-            and own is not None
-            and not along_mix(shared, self.global_state, mix, own, threshold, index)
-        ):
-            own = self.slice_direction(reply.arch)  # the whole pool's (see along_mix)
+        own = self.reply_direction(reply.arch, reply.node_id, shared, index)
         rnd = ctx.state(GroupRound)
         self.models.fold(
             rnd,
