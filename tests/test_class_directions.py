@@ -164,6 +164,23 @@ def groups_server(
     return build_server(config, bundle=digits_bundle).runner
 
 
+def skewed_directions(
+    server: Any, counts: tuple[int, ...], nodes: tuple[int, ...]
+) -> tuple[Arrays, Any, Arrays, Arrays]:
+    """Give ``nodes`` the label ``counts``; return cnn-1's weights, node 1's mix and the
+    server's update on the whole pool and on that mix."""
+    arch = "cnn-1"
+    g = server.models.get(arch)
+    for node in nodes:
+        server.nodes[node] = node_info(node, arch, counts)
+    mix = server.reference_mix(nodes[0])
+    assert mix is not None
+    whole = server.pool_direction(arch, g)
+    own = server.pool_direction(arch, g, mix)
+    assert whole is not None and own is not None
+    return g, mix, whole, own
+
+
 def dot(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
     return sum(float(np.dot(a[k].ravel().astype(np.float64), b[k].ravel())) for k in a)
 
@@ -203,16 +220,11 @@ def test_a_skewed_nodes_update_is_checked_against_training_on_its_own_mix(
     # away from its training on the whole pool.
     server = groups_server(run_config, digits_bundle, tmp_path)
     arch = "cnn-1"
-    g = server.models.get(arch)
-    server.nodes[1] = node_info(1, arch, counts)
+    g, mix, whole, own = skewed_directions(server, counts, (1,))
     server.nodes[2] = node_info(2, arch, (1,) * 10)
-    mix = server.reference_mix(1)
-    assert mix is not None and server.reference_mix(2) is None
+    assert server.reference_mix(2) is None
     held = {c for c, n in enumerate(counts) if n > 0}
     assert mix.classes == held and mix.resample == (len(held) == 10)
-    whole = server.pool_direction(arch, g)
-    own = server.pool_direction(arch, g, mix)
-    assert whole is not None and own is not None
     u = apart(own, whole)
     moved = {k: (v + u[k]).astype(v.dtype) if k in u else v for k, v in g.items()}
     ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
@@ -239,15 +251,8 @@ def test_a_drawn_mix_node_passes_along_the_whole_pool_too(
     # from its training on the mix; node 2's points away from both.
     server = groups_server(run_config, digits_bundle, tmp_path)
     arch = "cnn-1"
-    g = server.models.get(arch)
-    counts = (60, 2, 3, 1, 4, 2, 30, 2, 1, 5)
-    for node in (1, 2):
-        server.nodes[node] = node_info(node, arch, counts)
-    mix = server.reference_mix(1)
-    assert mix is not None and mix.resample
-    whole = server.pool_direction(arch, g)
-    own = server.pool_direction(arch, g, mix)
-    assert whole is not None and own is not None
+    g, mix, whole, own = skewed_directions(server, (60, 2, 3, 1, 4, 2, 30, 2, 1, 5), (1, 2))
+    assert mix.resample
     along_whole = apart(whole, own)  # + with the whole pool's, - with the mix's
     both_away = {k: -(own[k] + whole[k]) for k in own}
     ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
