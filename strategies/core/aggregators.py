@@ -94,6 +94,7 @@ class Accumulator(Protocol):
         *,
         index: Mapping[str, Index] | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
+        stretch: float = 1.0,
     ) -> None:
         """Fold one update in (see the module docstring for ``index``).
 
@@ -101,6 +102,11 @@ class Accumulator(Protocol):
         update was trained as (a sub-model slice's own, shaped like the update's
         entries): aggregators that check directions compare with it instead of
         the slice of the accumulator's direction; others ignore it.
+
+        ``stretch`` is the multiple of a typical node's distance this update may
+        move the model by (its share of the examples,
+        :func:`strategies.core.scales.bound_stretch`): aggregators with a distance
+        bound from the cohort's scale stretch it; others ignore it.
         """
         ...
 

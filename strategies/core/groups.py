@@ -138,12 +138,15 @@ class GroupModels:
         index: Mapping[str, Index] | None = None,
         node: int | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
+        stretch: float = 1.0,
     ) -> None:
         """Fold one accepted update of ``arch`` (sent by ``node``) into ``rnd``'s accumulator.
 
         ``direction``: the server's own update of the slice the update was trained
         as (see :meth:`Accumulator.add`). Without it, a label-skewed node's update is
         compared with the server's update on the node's label mix (``mixes``).
+        ``stretch``: the reply's :attr:`~strategies.core.validation.ClientReply.stretch`
+        (see :meth:`Accumulator.add`).
         """
         if direction is None and node is not None:
             direction = self._class_direction(rnd, arch, node, update, index)
@@ -161,9 +164,9 @@ class GroupModels:
         acc = rnd.pending[arch]
         before = acc.count
         if direction is None:
-            acc.add(update, weight, index=index)
+            acc.add(update, weight, index=index, stretch=stretch)
         else:
-            acc.add(update, weight, index=index, direction=direction)
+            acc.add(update, weight, index=index, direction=direction, stretch=stretch)
         if acc.count > before:
             rnd.senders[arch].append(node)
 
@@ -388,7 +391,9 @@ def fold_weights(models: GroupModels, rnd: GroupRound, reply: ClientReply) -> Cl
     """
     if reply.arrays is None:
         raise ValueError(f"node {reply.node_id} sent no weights")
-    models.fold(rnd, reply.arch, reply.arrays, reply.weight, node=reply.node_id)
+    models.fold(
+        rnd, reply.arch, reply.arrays, reply.weight, node=reply.node_id, stretch=reply.stretch
+    )
     return without_arrays(reply)
 
 
@@ -427,7 +432,9 @@ class SharedGroup:
         """
         if reply.arrays is None:
             raise ValueError(f"node {reply.node_id} sent no {self.name}")
-        self.models.fold(rnd, self.name, reply.arrays, reply.weight, node=reply.node_id)
+        self.models.fold(
+            rnd, self.name, reply.arrays, reply.weight, node=reply.node_id, stretch=reply.stretch
+        )
         return without_arrays(reply)
 
     def commit(self, rnd: GroupRound) -> dict[str, Any]:

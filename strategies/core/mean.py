@@ -41,8 +41,8 @@ from strategies.core.sums import Checked, Coverage, EntrySums, add_scaled, check
 __all__ = ["MeanAccumulator", "MeanAggregator", "parse_scale_key"]
 
 
-_Buffered = tuple[int, Checked, float, dict[str, float], float | None, dict[str, int]]
-"""A buffered update: position, entries, weight, distances, cosine, covered sizes."""
+_Buffered = tuple[int, Checked, float, dict[str, float], float | None, dict[str, int], float]
+"""A buffered update: position, entries, weight, distances, cosine, covered sizes, stretch."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class _Streamed:
     bounds: dict[str, float]
     covered: dict[str, int]
     own: Mapping[str, np.ndarray] | None
+    stretch: float = 1.0
 
 
 @dataclass
@@ -136,6 +137,12 @@ class MeanAccumulator:
     - ``ceiling`` times the L2 norm of the reference's entries of that kind (a
       scale that does not come from any node: it bounds a node alone in its
       architecture group, and a model's first round).
+
+    Each update's bound from the scale is stretched by its share of the round's
+    examples (``stretch`` in :meth:`add`,
+    :func:`~strategies.core.scales.bound_stretch`): a node that trained on twice a
+    typical node's examples may move the model twice as far, and its distance
+    counts towards the next scale halved. The ceiling is not stretched.
 
     When the model has no scale yet (its first round) the round's updates are kept
     until :meth:`result`, which clips them against ``clip_factor`` times this
@@ -239,6 +246,7 @@ class MeanAccumulator:
         *,
         index: Mapping[str, Index] | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
+        stretch: float = 1.0,
     ) -> None:
         """Add ``weight * update`` (clipped, when bounded) to the sums, ``weight`` to the coverage.
 
@@ -248,6 +256,10 @@ class MeanAccumulator:
         direction: a narrow sub-model learns differently from the same part of the
         whole model.
 
+        ``stretch`` (:func:`~strategies.core.scales.bound_stretch`, positive): the
+        multiple of the scale's bound this update may move the model by, and what
+        its distance is divided by before it counts towards the next scale.
+
         The update's arrays are read, not copied, and when bounded an update may be
         folded at the next call or at :meth:`result` (:meth:`_stream_or_hold`): the
         caller must not change them after the call.
@@ -255,15 +267,18 @@ class MeanAccumulator:
         Raises
         ------
         AggregationError
-            If the weight is not finite and positive, an entry is unknown or of the
-            wrong dtype or shape (nothing is added then), or :meth:`result` was
-            already taken.
+            If the weight or the stretch is not finite and positive, an entry is
+            unknown or of the wrong dtype or shape (nothing is added then), or
+            :meth:`result` was already taken.
         """
         if self._result is not None:
             raise AggregationError("this round's result was already taken; start a new one")
         w = float(weight)
         if not np.isfinite(w) or w <= 0:
             raise AggregationError(f"weight {weight!r} must be finite and positive")
+        s = float(stretch)
+        if not np.isfinite(s) or s <= 0:
+            raise AggregationError(f"stretch {stretch!r} must be finite and positive")
         checked = check_update(self.reference, update, index)
         own = self.check.own(checked, direction)
         position = self._count
@@ -272,10 +287,10 @@ class MeanAccumulator:
             self._fold(checked, w, {})
             return
         covered = covered_sizes(checked)
-        bounds = {kind: self.scales.bound(kind, n) for kind, n in covered.items()}
+        bounds = {kind: self.scales.bound(kind, n, s) for kind, n in covered.items()}
         if any(b is None for b in bounds.values()):
             distances, cosine = self._measure(checked, own)
-            self._buffer.append((position, checked, w, distances, cosine, covered))
+            self._buffer.append((position, checked, w, distances, cosine, covered, s))
             return
         self._stream_or_hold(
             _Streamed(
@@ -285,6 +300,7 @@ class MeanAccumulator:
                 {k: float(b) for k, b in bounds.items() if b is not None},
                 covered,
                 own,
+                s,
             )
         )
 
@@ -323,9 +339,10 @@ class MeanAccumulator:
         distances: Mapping[str, float],
         bounds: Mapping[str, float],
         covered: Mapping[str, int],
+        stretch: float = 1.0,
     ) -> dict[str, float]:
         """Record what is accepted of each kind (per slice class) and return the clip factors."""
-        factors, clips = self.scales.accept(position, distances, bounds, covered)
+        factors, clips = self.scales.accept(position, distances, bounds, covered, stretch)
         self._clips.extend(clips)
         return factors
 
@@ -466,7 +483,9 @@ class MeanAccumulator:
                     flat_total = flat(self._sums.target(key, where))
                     add_scaled(flat_total[: folded[key]], flat(value)[: folded[key]], -w)
             return
-        factors = self._accept(position, distances, streamed.bounds, streamed.covered)
+        factors = self._accept(
+            position, distances, streamed.bounds, streamed.covered, streamed.stretch
+        )
         for key, (value, where) in checked.items():
             if not is_floating(value):
                 self._cover.add(key, w, where)
@@ -514,13 +533,14 @@ class MeanAccumulator:
             return
         # the bounds from every measured update's size, the folds from those the
         # direction check keeps (see the class docstring)
-        bounds = self.scales.round_bounds([(item[3], item[5]) for item in self._buffer])
+        bounds = self.scales.round_bounds([(item[3], item[5], item[6]) for item in self._buffer])
         refused = [self._refused(item[0], item[4]) for item in self._buffer]
-        for (position, checked, w, distances, _, covered), own_bounds, dropped in zip(
+        for (position, checked, w, distances, _, covered, s), own_bounds, dropped in zip(
             self._buffer, bounds, refused, strict=True
         ):
             if not dropped:
-                self._fold(checked, w, self._accept(position, distances, own_bounds, covered))
+                factors = self._accept(position, distances, own_bounds, covered, s)
+                self._fold(checked, w, factors)
         self._buffer = []
 
     def result(self) -> dict[str, np.ndarray]:

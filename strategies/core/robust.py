@@ -207,8 +207,9 @@ class BufferedAccumulator:
         *,
         index: Mapping[str, Index] | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
+        stretch: float = 1.0,
     ) -> None:
-        """Keep one full update (the weight and ``direction`` are ignored).
+        """Keep one full update (the weight, ``direction`` and ``stretch`` are ignored).
 
         Raises
         ------

@@ -7,7 +7,10 @@ committed round accepted (what each sent, at most ``bound-growth`` x its bound:
 (:func:`next_scale`), and at most ``clip-ceiling`` times the global model's own norm.
 Sub-model slices of one width are measured against each other (:func:`scale_key`),
 and every update also counts in whole-model units towards the pooled scale
-(``kind@all``). The scales are the accumulator's checkpoint state: one round's
+(``kind@all``). A node's bound grows with its share of the round's examples
+(:func:`~strategies.core.validation.bound_stretch`): its distance counts towards
+the scale divided by its stretch, so a scale is a typical node's distance. The
+scales are the accumulator's checkpoint state: one round's
 :meth:`ScaleBook.medians` are the next round's ``previous``.
 
 :class:`ScaleBook` keeps that bookkeeping for one round of
@@ -182,12 +185,15 @@ class ScaleBook:
         ceiling = self.ceilings.get(kind)
         return bound if ceiling is None else min(bound, ceiling)
 
-    def bound(self, kind: str, covered: int) -> float | None:
+    def bound(self, kind: str, covered: int, stretch: float = 1.0) -> float | None:
         """Return the streaming bound of an update's ``kind`` (``None``: unknown, buffer it).
 
         The scale of the update's own slice class (:func:`scale_key`) when the last
         round had one; else the pooled whole-model scale (``kind@all``, or the
-        whole-model class's) converted to the slice's size, ``sqrt(covered / size)``.
+        whole-model class's) converted to the slice's size, ``sqrt(covered / size)``;
+        times the update's ``stretch``
+        (:func:`~strategies.core.validation.bound_stretch`), then capped at the
+        ceiling (which no stretch moves).
         """
         if self.max_distance is not None:
             return self.max_distance
@@ -196,11 +202,11 @@ class ScaleBook:
         size = self.sizes.get(kind, 0)
         key = scale_key(kind, covered, size)
         if key in self.previous:
-            return self.capped(kind, self.clip_factor * self.previous[key])
+            return self.capped(kind, self.clip_factor * self.previous[key] * stretch)
         pooled = self.previous.get(f"{kind}@{POOLED}", self.previous.get(kind))
         if pooled is None or size <= 0:
             return None
-        return self.capped(kind, self.clip_factor * pooled * math.sqrt(covered / size))
+        return self.capped(kind, self.clip_factor * pooled * math.sqrt(covered / size) * stretch)
 
     def previous_scale(self, kind: str, key: str) -> float | None:
         """Return the last round's scale of ``key``, else the pooled one converted to it."""
@@ -219,8 +225,13 @@ class ScaleBook:
         distances: Mapping[str, float],
         bounds: Mapping[str, float],
         covered: Mapping[str, int],
+        stretch: float = 1.0,
     ) -> tuple[dict[str, float], list[Clip]]:
         """Record what is accepted of each kind (per slice class).
+
+        ``distances`` and ``bounds`` are the update's own (its bound already
+        stretched); what it tells the scale is its evidence (:func:`scale_evidence`)
+        divided by its ``stretch``: a typical node's distance.
 
         Returns
         -------
@@ -237,6 +248,7 @@ class ScaleBook:
                 clips.append(Clip(position, kind, sent, bound))
                 # a first round's bounds are its own medians: nothing to grow from
                 distance = scale_evidence(sent, bound, self.growth if self.previous else 1.0)
+            distance /= stretch
             if distance > 0:
                 size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
                 self.accepted.setdefault(scale_key(kind, n, size), []).append(distance)
@@ -247,7 +259,7 @@ class ScaleBook:
         return factors, clips
 
     def round_bounds(
-        self, updates: Sequence[tuple[Mapping[str, float], Mapping[str, int]]]
+        self, updates: Sequence[tuple[Mapping[str, float], Mapping[str, int], float]]
     ) -> list[dict[str, float]]:
         """Return the bounds of a round's buffered updates from this round's own scales.
 
@@ -256,11 +268,15 @@ class ScaleBook:
         update alone in its class by the lower median of the *other* updates' distances
         in whole-model units, converted to its size (so its bound never comes from
         itself); an update alone in the round by its own distance (and the ceiling).
+        The medians are of distances divided by each update's stretch
+        (:func:`~strategies.core.validation.bound_stretch`), and each bound is its
+        scale times the update's own stretch.
 
         Parameters
         ----------
-        updates : Sequence[tuple[Mapping[str, float], Mapping[str, int]]]
-            Each update's distances and covered sizes per kind, in arrival order.
+        updates : Sequence[tuple[Mapping[str, float], Mapping[str, int], float]]
+            Each update's distances, covered sizes per kind and stretch, in arrival
+            order.
 
         Returns
         -------
@@ -269,15 +285,16 @@ class ScaleBook:
         """
         members: dict[str, list[float]] = {}
         whole: dict[str, list[tuple[int, float]]] = {}
-        for i, (distances, covered) in enumerate(updates):
-            for kind, distance in distances.items():
+        for i, (distances, covered, stretch) in enumerate(updates):
+            for kind, sent in distances.items():
                 size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
+                distance = sent / stretch
                 if distance > 0 and n > 0:
                     members.setdefault(scale_key(kind, n, size), []).append(distance)
                     whole.setdefault(kind, []).append((i, distance * math.sqrt(size / n)))
         out: list[dict[str, float]] = []
         class_scale: dict[str, float] = {}  # each class's median, sorted once (not per update)
-        for i, (distances, covered) in enumerate(updates):
+        for i, (distances, covered, stretch) in enumerate(updates):
             bounds: dict[str, float] = {}
             for kind in distances:
                 size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
@@ -286,7 +303,7 @@ class ScaleBook:
                 if len(own) >= 2:
                     if key not in class_scale:
                         class_scale[key] = lower_median(own)
-                    bounds[kind] = self.capped(kind, self.clip_factor * class_scale[key])
+                    bounds[kind] = self.capped(kind, self.clip_factor * class_scale[key] * stretch)
                     continue
                 # alone in its class (rare): the others' scale, gathered for it alone
                 others = [x for j, x in whole.get(kind, []) if j != i]
@@ -296,7 +313,7 @@ class ScaleBook:
                     scale = own[0]
                 else:
                     continue  # nothing moved: no bound needed
-                bounds[kind] = self.capped(kind, self.clip_factor * scale)
+                bounds[kind] = self.capped(kind, self.clip_factor * scale * stretch)
             out.append(bounds)
         return out
 

@@ -73,6 +73,7 @@ from strategies.core.resume import check_identity
 from strategies.core.validation import (
     Rejection,
     ReplyLimits,
+    typical_weight,
     validate_reply,
     weight_caps,
 )
@@ -344,11 +345,14 @@ class HeteroStrategy(SchemeHooks[OptionsT]):
             {n: self.nodes[n].num_train for n in ctx.assignment if n in self.nodes},
             self.weight_cap,
         )
+        typical = typical_weight(list(caps.values()))
         ctx.limits = {
             n: ReplyLimits(
                 max_examples=self.nodes[n].num_train * run.training.local_epochs,
                 max_test_examples=self.nodes[n].num_test,
                 max_weight=caps[n],
+                typical_weight=typical,
+                stretch_cap=run.aggregation.bound_stretch,
             )
             for n in ctx.assignment
             if n in self.nodes

@@ -283,11 +283,15 @@ class ScalableAccumulator:
         *,
         index: Mapping[str, Index] | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
+        stretch: float = 1.0,
     ) -> None:
         """Fold one client's (grafted) state, weighted by ``weight`` (its examples).
 
         ``direction``: the server's own update of the client's slice (grafted like
         the state), compared with instead of the cut of the accumulator's direction.
+        ``stretch``: passed to the accumulator of the entries FedFA does not scale
+        (batch-norm statistics; :meth:`Accumulator.add`); the scaled layers are
+        bounded by their norms.
 
         Raises
         ------
@@ -324,6 +328,7 @@ class ScalableAccumulator:
                 plain,
                 w,
                 index={k: i for k, (_, i) in checked.items() if i is not None and k in plain},
+                stretch=stretch,
             )
             self._plain_clients.append(self._count)
         self.norm_bounded += bounded

@@ -209,6 +209,7 @@ class FedFAStrategy(SubModelStrategy[FedFAOptions]):
                 weight,
                 index=index,
                 node=reply.node_id,
+                stretch=reply.stretch,
             )
             return without_arrays(reply)
         state = ctx.state(FedFARound)
@@ -222,6 +223,7 @@ class FedFAStrategy(SubModelStrategy[FedFAOptions]):
             weight,
             index=index,
             direction=own,
+            stretch=reply.stretch,
         )
         if accumulator.count > before:
             state.senders.append(reply.node_id)

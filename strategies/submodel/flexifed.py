@@ -225,7 +225,14 @@ class FlexiFedStrategy(SubModelStrategy[FlexiFedOptions]):
                 personal[key] = value
             targets.setdefault(group, {})[key] = value
         for group, update in sorted(targets.items()):
-            self.models.fold(ctx.state(GroupRound), group, update, weight, node=reply.node_id)
+            self.models.fold(
+                ctx.state(GroupRound),
+                group,
+                update,
+                weight,
+                node=reply.node_id,
+                stretch=reply.stretch,
+            )
         if personal:
             ctx.state(PendingPersonal).entries[reply.node_id] = personal
         return without_arrays(reply)

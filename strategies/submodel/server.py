@@ -323,10 +323,13 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
             index={k: index[k] for k in shared},
             node=reply.node_id,
             direction=None if own is None else {k: v for k, v in own.items() if k in shared},
+            stretch=reply.stretch,
         )
         if private:
             own = {k: v for k, v in reply.arrays.items() if k in private}
-            self.models.fold(rnd, reply.arch, own, weight, node=reply.node_id)
+            self.models.fold(
+                rnd, reply.arch, own, weight, node=reply.node_id, stretch=reply.stretch
+            )
         return without_arrays(reply)
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:

@@ -51,6 +51,9 @@ class AggregationConfig(Group):
         Cap on a reply's claimed examples, as a multiple of the cohort's median; 0 off.
     bound_growth : float
         Factor by which the clip bound may move per round.
+    bound_stretch : float
+        How far a node's clip bound may grow (and shrink) with its share of the
+        round's examples, as a multiple; 0 or 1 off.
     clip_ceiling : float
         Cap on the bound, as a multiple of the global model's norm; 0 off.
     server_trust : bool
@@ -78,6 +81,7 @@ class AggregationConfig(Group):
     clip_factor: float
     weight_cap: float
     bound_growth: float
+    bound_stretch: float
     clip_ceiling: float
     server_trust: bool
     trust_threshold: float
@@ -99,6 +103,7 @@ class AggregationConfig(Group):
             clip_factor=r.get("clip-factor", float),
             weight_cap=r.get("weight-cap", float),
             bound_growth=r.get("bound-growth", float),
+            bound_stretch=r.get("bound-stretch", float),
             clip_ceiling=r.get("clip-ceiling", float),
             server_trust=r.get("server-trust", bool),
             trust_threshold=r.get("trust-threshold", float),
@@ -149,6 +154,13 @@ class AggregationConfig(Group):
             "bound-growth",
             self.bound_growth,
             "use a factor > 1 by which the clip bound may move per round, e.g. 2",
+        )
+        require(
+            self.bound_stretch == 0 or 1 <= self.bound_stretch <= 100,
+            "bound-stretch",
+            self.bound_stretch,
+            "use 0 (every node the same bound) or a multiple in [1, 100] by which a node's "
+            "bound may grow with its share of the round's examples, e.g. 2",
         )
         require(
             self.clip_ceiling >= 0,
