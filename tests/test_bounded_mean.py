@@ -15,10 +15,11 @@ import pytest
 import strategies.core.aggregators as aggregators
 import strategies.core.fused as fused
 import strategies.core.measure as measure
+from strategies.core.aggregation import AggregationError
 from strategies.core.mean import MeanAccumulator
 from strategies.core.measure import measure_and_fold, reference_norms, squared_distance
 from strategies.core.scales import next_scale
-from strategies.core.validation import weight_caps
+from strategies.core.validation import bound_stretch, typical_weight, weight_caps
 
 
 @pytest.fixture(autouse=True, params=["fused", "torch"])
@@ -717,3 +718,85 @@ def test_a_lone_survivor_of_the_direction_check_is_bounded_by_the_round_s_sizes(
     # size (before: the ceiling, or 1e30 without one)
     np.testing.assert_allclose(np.linalg.norm(out), np.hypot(0.1, 0.5), rtol=1e-5)
     np.testing.assert_allclose(out, np.hypot(0.1, 0.5) / np.sqrt(2.0) * np.ones(2), rtol=1e-5)
+
+
+# ----------------------------------------------------------- bound stretch
+def test_bound_stretch_by_hand() -> None:
+    # weight over the typical weight, within [1 / cap, cap]
+    assert bound_stretch(150.0, 100.0, 2.0) == pytest.approx(1.5)
+    assert bound_stretch(1e9, 100.0, 2.0) == 2.0  # a claim beyond the cap buys nothing more
+    assert bound_stretch(10.0, 100.0, 2.0) == 0.5
+    assert bound_stretch(60.0, 100.0, 4.0) == pytest.approx(0.6)
+    # off: cap 0 or 1, no typical weight, or a typical weight that is not positive
+    for weight, typical, cap in ((150.0, 100.0, 0.0), (150.0, 100.0, 1.0), (150.0, None, 2.0)):
+        assert bound_stretch(weight, typical, cap) == 1.0
+    assert bound_stretch(150.0, 0.0, 2.0) == 1.0
+    assert bound_stretch(150.0, math.nan, 2.0) == 1.0
+
+
+def test_the_typical_weight_is_the_lower_median_of_the_caps() -> None:
+    # caps of a cohort with a liar: weight_caps already holds it at 2 x 100
+    caps = weight_caps({1: 100, 2: 120, 3: 80, 4: 1_000_000_000}, 2.0)
+    assert typical_weight(list(caps.values())) == 100.0
+    assert typical_weight([None, None]) is None
+    assert typical_weight([]) is None
+
+
+def test_a_stretched_update_may_move_further_and_counts_as_a_typical_one() -> None:
+    # Prepare: scale 1, clip-factor 1; two updates at distance 1.5
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous={"parameters": 1.0})
+    # Execute: one of twice the typical examples (stretch 2), one typical (stretch 1)
+    acc.add(vec(1.5), 1.0, stretch=2.0)
+    acc.add(vec(-1.5), 1.0, stretch=1.0)
+    out = acc.result()["w"]
+    report = acc.report()
+    # Assert: the first is inside its bound 2 (kept), the second clipped to 1
+    assert [(c.position, c.distance, c.bound) for c in report.clips] == [
+        (1, pytest.approx(1.5), pytest.approx(1.0))
+    ]
+    np.testing.assert_allclose(out, [(1.5 - 1.0) / 2], rtol=1e-6)
+    # the scale's evidence: 1.5 / 2 = 0.75 and the clipped one as sent, 1.5 (lower median 0.75)
+    assert report.medians == {"parameters": pytest.approx(0.75)}
+
+
+def test_a_small_node_s_bound_shrinks_with_its_stretch() -> None:
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous={"parameters": 1.0})
+    acc.add(vec(0.8), 1.0, stretch=0.5)  # bound 0.5: clipped
+    assert acc.result()["w"][0] == pytest.approx(0.5)
+    assert acc.report().clips[0].bound == pytest.approx(0.5)
+
+
+def test_the_ceiling_is_not_stretched() -> None:
+    # scale 100 x 3 x stretch 2 = 600, but ||ref|| = 5 and ceiling 1 -> bound 5
+    acc = MeanAccumulator(
+        vec(3.0, 4.0), clip_factor=3.0, previous={"parameters": 100.0}, ceiling=1.0
+    )
+    acc.add(vec(3.0 + 30.0, 4.0 + 40.0), 1.0, stretch=2.0)
+    np.testing.assert_allclose(acc.result()["w"], [6.0, 8.0], rtol=1e-6)
+
+
+def test_a_first_round_takes_its_median_of_stretched_distances() -> None:
+    # Prepare: no scale yet; distances 1 (stretch 0.5), 4 (stretch 2) and 3 (stretch 1)
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0)
+    acc.add(vec(1.0), 1.0, stretch=0.5)
+    acc.add(vec(4.0), 1.0, stretch=2.0)
+    acc.add(vec(3.0), 1.0, stretch=1.0)
+    out = acc.result()["w"]
+    report = acc.report()
+    # Assert: per unit of stretch 2, 2, 3 -> lower median 2; bounds 1, 4, 2:
+    # only the third is clipped (3 -> 2)
+    assert [(c.position, c.bound) for c in report.clips] == [(2, pytest.approx(2.0))]
+    np.testing.assert_allclose(out, [(1.0 + 4.0 + 2.0) / 3], rtol=1e-6)
+    # without stretches the median is 3 and the update of 4 is clipped instead
+    plain = MeanAccumulator(vec(0.0), clip_factor=1.0)
+    for value in (1.0, 4.0, 3.0):
+        plain.add(vec(value), 1.0)
+    np.testing.assert_allclose(plain.result()["w"], [(1.0 + 3.0 + 3.0) / 3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("stretch", [0.0, -1.0, math.inf, math.nan])
+def test_a_stretch_that_is_not_finite_and_positive_is_refused(stretch: float) -> None:
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous={"parameters": 1.0})
+    with pytest.raises(AggregationError, match="stretch"):
+        acc.add(vec(0.5), 1.0, stretch=stretch)
+    assert acc.count == 0

@@ -336,3 +336,123 @@ def test_a_node_lying_about_its_rank_does_not_move_fedavg(
     )
     assert server.shared_arch != "cnn-1"
     assert set(server.assignment) == {101, 102}
+
+
+# ---------------------------------------------------------------- bound stretch
+def test_a_reply_s_stretch_is_its_capped_weight_over_the_cohort_s_typical_one() -> None:
+    from flwr.app import MetricRecord
+
+    arrays = {"w": Array(np.zeros((2, 3), np.float32))}
+
+    def stretch_of(num_examples: int, cap: float = 2.0) -> float:
+        records = RecordDict(
+            {
+                wire.ARRAYS: ArrayRecord(arrays),
+                wire.METRICS: MetricRecord(metrics(**{wire.NUM_EXAMPLES: num_examples})),
+            }
+        )
+        limits = ReplyLimits(
+            max_examples=300,
+            max_test_examples=20,
+            max_weight=200.0,
+            typical_weight=100.0,
+            stretch_cap=cap,
+        )
+        result = check(records, limits=limits)
+        assert not isinstance(result, Rejection)
+        return float(result.stretch)
+
+    assert stretch_of(150) == pytest.approx(1.5)
+    assert stretch_of(300) == 2.0  # weighs at most its cap of 200
+    assert stretch_of(20) == 0.5
+    assert stretch_of(150, cap=0.0) == 1.0  # bound-stretch=0: every reply the same bound
+
+
+def test_the_server_sets_each_round_s_typical_weight_from_the_cohort(
+    run_config: RunConfigFactory, digits_bundle: Any, tmp_path: Path
+) -> None:
+    from models.spec import ModelRef
+    from strategies.core.context import RoundContext
+    from strategies.core.nodes import NodeInfo
+
+    config = run_config({**TINY, "strategy": "fedavg", "output-dir": str(tmp_path)})
+    server = build_server(config, bundle=digits_bundle).runner
+    sizes = {1: 50, 2: 100, 3: 120, 4: 10**9}  # node 4 claims a billion examples
+    for node, n in sizes.items():
+        server.nodes[node] = NodeInfo(
+            node_id=node,
+            ref=ModelRef.parse("cnn-2"),
+            family="cnn",
+            size_rank=0,
+            arch_fits=True,
+            num_train=n,
+            num_test=2,
+            partition_id=node,
+            label_counts=(n,),
+            profile={"name": "cpu-small"},
+        )
+    ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
+    ctx.eligible = {node: "cnn-2" for node in sizes}
+    server.select(ctx)
+    # caps: 50, 100, 120, 2 x 100 = 200 -> typical (lower median) 100
+    assert {n: lim.max_weight for n, lim in ctx.limits.items()} == {
+        1: 50.0,
+        2: 100.0,
+        3: 120.0,
+        4: 200.0,
+    }
+    assert {lim.typical_weight for lim in ctx.limits.values()} == {100.0}
+    assert {lim.stretch_cap for lim in ctx.limits.values()} == {2.0}
+
+
+def test_a_fold_bounds_each_reply_by_its_own_stretch(
+    run_config: RunConfigFactory, digits_bundle: Any, tmp_path: Path
+) -> None:
+    from strategies.core.aggregators import entry_kind
+    from strategies.core.context import RoundContext
+    from strategies.core.validation import ClientReply
+
+    # Prepare: fedavg-groups at its defaults but without the direction check; in
+    # its first round three replies move cnn-1 by 1, 4 and 3 units along one
+    # direction, weighing 50, 200 and 100 examples (typical 100: stretches 0.5, 2, 1)
+    config = run_config(
+        {**TINY, "strategy": "fedavg-groups", "server-trust": False, "output-dir": str(tmp_path)}
+    )
+    server = build_server(config, bundle=digits_bundle).runner
+    g = server.models.get("cnn-1")
+    rng = np.random.default_rng(0)
+    unit = {
+        k: rng.standard_normal(v.shape)
+        for k, v in g.items()
+        if v.dtype == np.float32 and entry_kind(k) == "parameters"
+    }
+    norm = np.sqrt(sum(float(np.sum(u**2)) for u in unit.values()))
+    ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
+    for node, (distance, weight) in enumerate(((1.0, 50), (4.0, 200), (3.0, 100)), start=1):
+        moved = {
+            k: (v + distance * unit[k] / norm).astype(v.dtype) if k in unit else v
+            for k, v in g.items()
+        }
+        server.fold(
+            ctx,
+            ClientReply(
+                node_id=node,
+                arch="cnn-1",
+                metrics={wire.NUM_EXAMPLES: float(weight)},
+                arrays=moved,
+                content=RecordDict(),
+                bytes_up=0,
+                bytes_down=0,
+                max_weight=float(weight),
+                typical_weight=100.0,
+                stretch_cap=2.0,
+            ),
+        )
+
+    # Execute
+    record = server.aggregate(ctx, [])
+
+    # Assert: per unit of stretch 2, 2, 3 -> scale 2; bounds 1, 4, 2: node 3 alone is
+    # clipped (with one bound for all, the median 3 would clip node 2 instead)
+    clipped = [(c["node"], c["bound"]) for c in record["clipped"] if c["kind"] == "parameters"]
+    assert clipped == [(3, pytest.approx(2.0, rel=1e-4))]
