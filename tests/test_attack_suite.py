@@ -514,6 +514,46 @@ def test_alie_with_a_hostile_majority_asks_for_attack_z() -> None:
     )
 
 
+def test_inflate_boost_is_bounded_at_the_cohort_s_caps(
+    run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
+) -> None:
+    from strategies.core.validation import bound_stretch, typical_weight, weight_caps
+
+    # Prepare: the default bounded mean (weight-cap 2, bound-stretch 2) without the
+    # direction check, so that the size bound alone meets the attacker
+    config = fedavg_config(
+        run_config, tmp_path, "inflate-boost", **{"local-epochs": 2, "server-trust": False}
+    )
+
+    # Execute
+    server, grid, hostile, _ = run_federation(config, digits_bundle)
+
+    # Assert: it claims 1000x its size and sends 10x its update ...
+    (attacker,) = hostile
+    profiles = {
+        r.metadata.src_node_id: int(cast(int, r.content.config_records[wire.PROFILE]["num-train"]))
+        for r in grid.replies_of(wire.HANDSHAKE)
+    }
+    updates, replies = round_updates(grid, 1, hostile)
+    claimed = {
+        n: float(cast(int, r.content[wire.METRICS][wire.NUM_EXAMPLES])) for n, r in replies.items()
+    }
+    assert profiles[attacker] > 500 * max(v for n, v in profiles.items() if n != attacker)
+    # ... but weighs at most weight-cap x the cohort's median size, and its bound is
+    # stretched by at most bound-stretch: the first round's bound of every update is
+    # the lower median of distance / stretch, times its own stretch
+    caps = weight_caps(profiles, 2.0)
+    typical = typical_weight(list(caps.values()))
+    stretch = {n: bound_stretch(min(claimed[n], float(caps[n] or 0)), typical, 2.0) for n in caps}
+    assert stretch[attacker] == 2.0
+    distances = {n: float(np.linalg.norm(u)) for n, u in updates.items()}
+    scale = sorted(distances[n] / stretch[n] for n in distances)[(len(distances) - 1) // 2]
+    clips = {c["node"]: c for c in server.rounds[0]["clipped"] if c["kind"] == "parameters"}
+    assert clips[attacker]["bound"] == pytest.approx(2.0 * scale, rel=1e-4)
+    assert clips[attacker]["distance"] == pytest.approx(distances[attacker], rel=1e-4)
+    assert distances[attacker] > 4 * clips[attacker]["bound"]  # cut to under a quarter
+
+
 # ------------------------------------------------------------------ handshake and refusal
 def test_inflate_multiplies_the_claimed_sizes_by_hand() -> None:
     # Prepare
@@ -530,6 +570,10 @@ def test_inflate_multiplies_the_claimed_sizes_by_hand() -> None:
     assert out == {"num-train": 15, "label-counts": [6, 0, 9], "arch": "cnn-2"}
     honest = AttackClient(ClientAlgorithm(run=run, options=None), AttackSpec("boost"))
     assert honest.handshake_profile(profile) == dict(profile)
+    both = AttackClient(
+        ClientAlgorithm(run=run, options=None), AttackSpec("inflate-boost", inflate=3)
+    )
+    assert both.handshake_profile(profile)["num-train"] == 15
 
 
 @pytest.mark.parametrize("attack", ["alie", "boost,min-sum", "mimic"])
@@ -546,7 +590,9 @@ def test_the_server_app_refuses_omniscient_attacks(attack: str) -> None:
         require_client_side(RunConfig.from_flower(config))
 
 
-@pytest.mark.parametrize("attack", ["dense-scale", "bound-riding", "ratchet", "inflate", ""])
+@pytest.mark.parametrize(
+    "attack", ["dense-scale", "bound-riding", "ratchet", "inflate", "inflate-boost", ""]
+)
 def test_client_side_attacks_are_allowed_in_real_runs(attack: str) -> None:
     require_client_side(RunConfig.from_flower({**load_default_run_config(), "attack": attack}))
 

@@ -32,7 +32,11 @@ validation):
 - ``inflate``: a self-consistent lie about its size: the handshake's ``num-train``
   and every label count multiplied by ``attack-inflate`` (so they still sum to
   ``num-train``), and its replies' ``num-examples`` equal to that ``num-train`` x
-  ``local-epochs``; it trains honestly.
+  ``local-epochs``; it trains honestly;
+- ``inflate-boost``: both at once: ``inflate``'s lie about its size and ``boost``'s
+  update. Against the bounded ``mean`` it is the attacker a size-dependent bound
+  (``bound-stretch``) and the weight cap (``weight-cap``) meet at their limits: it
+  weighs the most any node may and its bound is stretched the most.
 
 **Omniscient attacks** (``alie``, ``ipm``, ``min-max``, ``min-sum``, ``mimic``, and
 ``bound-riding`` in the in-process grid) forge their update from the honest updates
@@ -58,7 +62,7 @@ omniscient-only attacks: the ServerApp refuses them
 sends honest replies.
 
 The honest parts of the reply (example counts, metrics) are left as they are but
-for ``inflate``: the validation of claimed sizes is tested separately
+for ``inflate`` and ``inflate-boost``: the validation of claimed sizes is tested separately
 (``tests/test_untrusted.py``). Which nodes attack: :mod:`tessera.attacks`.
 
 The modules, one concern each: :mod:`client_app.attacks.spec` (:class:`AttackSpec`,

@@ -33,6 +33,7 @@ log = logging.getLogger("flwr.tessera")
 
 WEIGHT_ATTACKS = (
     "boost",
+    "inflate-boost",
     "sign-flip",
     "free-rider",
     "noise",
@@ -42,8 +43,20 @@ WEIGHT_ATTACKS = (
     "ratchet",
 )
 """Attacks the client itself applies to its trained weights."""
-PAYLOAD_ATTACKS = ("boost", "sign-flip", "noise", "dense-scale", "bound-riding", "ratchet")
+PAYLOAD_ATTACKS = (
+    "boost",
+    "inflate-boost",
+    "sign-flip",
+    "noise",
+    "dense-scale",
+    "bound-riding",
+    "ratchet",
+)
 """Attacks the client itself applies to its other floating payloads."""
+INFLATING = ("inflate", "inflate-boost")
+"""Attacks that lie about the node's size (handshake and claimed examples)."""
+BOOSTING = ("boost", "inflate-boost")
+"""Attacks that scale the update (and payloads) up by ``attack-scale``."""
 
 
 def flip_labels(y: np.ndarray, num_classes: int) -> np.ndarray:
@@ -86,7 +99,7 @@ class AttackClient(ClientWrapper[Any]):
     def handshake_profile(self, profile: Mapping[str, Any]) -> dict[str, Any]:
         """Report the honest profile, or (``inflate``) sizes multiplied by the factor."""
         out = self.inner.handshake_profile(profile)
-        if self.spec.kind == "inflate":
+        if self.spec.kind in INFLATING:
             k = self.spec.inflate
             out["num-train"] = int(out["num-train"]) * k
             out["label-counts"] = [int(c) * k for c in out["label-counts"]]
@@ -123,7 +136,7 @@ class AttackClient(ClientWrapper[Any]):
                 for name, record in records.items()
             }
         sent = records.get(wire.METRICS)
-        if kind == "inflate" and isinstance(sent, MetricRecord):
+        if kind in INFLATING and isinstance(sent, MetricRecord):
             claimed = len(outcome.train) * self.spec.inflate * self.run.training.local_epochs
             metrics: dict[str, MetricRecordValues] = dict(sent)
             metrics[wire.NUM_EXAMPLES] = claimed
@@ -159,7 +172,7 @@ class AttackClient(ClientWrapper[Any]):
         gen = self._generator()
         for key in keys:
             w, w0 = trained[key], start[key].to(trained[key].device)
-            if kind == "boost":
+            if kind in BOOSTING:
                 out[key] = w0 + self.spec.scale * (w - w0)
             elif kind == "sign-flip":
                 out[key] = w0 - self.spec.scale * (w - w0)
@@ -233,7 +246,7 @@ class AttackClient(ClientWrapper[Any]):
         for key, value in arrays.items():
             if key not in keys:
                 out[key] = value
-            elif self.spec.kind == "boost":
+            elif self.spec.kind in BOOSTING:
                 out[key] = (value * self.spec.scale).astype(value.dtype)
             elif self.spec.kind == "sign-flip":
                 out[key] = (value * -self.spec.scale).astype(value.dtype)

@@ -31,6 +31,7 @@ ATTACKS = (
     "bound-riding",
     "ratchet",
     "inflate",
+    "inflate-boost",
 )
 """Hostile behaviours of the attack harness (run-config/node-config ``attack``)."""
 OMNISCIENT_ATTACKS = ("alie", "ipm", "min-max", "min-sum", "mimic")
