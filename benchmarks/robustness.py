@@ -133,7 +133,14 @@ FEDAVG_AGGREGATORS = (
 """Aggregator labels of the weight schemes: ``<aggregator>[+<pre-aggregation>]``, or an
 ablation of the default ``mean`` (:data:`ABLATIONS`)."""
 FELO_MERGES = ("mean", "mean-unbounded", "median")
-ON_DEMAND = ("mean-trust-0.1", "mean-common", "mean-clip2", "mean-clip3-trust", "mean-one-bound")
+ON_DEMAND = (
+    "mean-trust-0.1",
+    "mean-common",
+    "mean-clip2",
+    "mean-clip3-trust",
+    "mean-stretch",
+    "mean-cap1",
+)
 """Ablations run only when ``--aggregators`` names them (not in the default grid)."""
 SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only", *ON_DEMAND)
 KNOWLEDGE_SCHEMES = frozenset({"felo", "fedhe", "fedtgp"})
@@ -159,7 +166,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "mean-common": {"scheme-defaults": False},
     "mean-clip2": {"clip-factor": 2.0},
     "mean-clip3-trust": {"clip-factor": 3.0},
-    "mean-one-bound": {"bound-stretch": 0.0},
+    "mean-stretch": {"bound-stretch": 2.0},
+    "mean-cap1": {"weight-cap": 1.0},
 }
 """The default ``mean`` without parts of it: the size bound alone (no direction check),
 the previous default (``clip-factor=3``, no direction check), the direction check
@@ -167,8 +175,9 @@ dropping only updates of cosine <= -0.1 (``trust-threshold=-0.1``; the default i
 the default without the scheme's own defaults (``scheme-defaults=false``: FlexiFed's
 direction check at the common ``trust-threshold=0`` instead of its own -0.1), and the
 default with ``clip-factor=2`` (tried for Felo) and ``clip-factor=3`` (the size bound
-of the previous default beside the direction check), and the default with one bound
-for every node (``bound-stretch=0``: no bound grows with the node's examples)."""
+of the previous default beside the direction check), the default with each node's
+bound grown with its examples (``bound-stretch=2``, within [1/2, 2]), and the default
+with no node weighing more than the cohort's median size (``weight-cap=1``)."""
 GLOBAL_METRIC = {scheme: scheme not in KNOWLEDGE_SCHEMES for scheme in SCHEMES}
 """Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {

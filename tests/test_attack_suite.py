@@ -514,15 +514,23 @@ def test_alie_with_a_hostile_majority_asks_for_attack_z() -> None:
     )
 
 
+@pytest.mark.parametrize("cap", [0.0, 2.0], ids=["one-bound", "stretched"])
 def test_inflate_boost_is_bounded_at_the_cohort_s_caps(
-    run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
+    cap: float,
+    run_config: RunConfigFactory,
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
 ) -> None:
     from strategies.core.validation import bound_stretch, typical_weight, weight_caps
 
-    # Prepare: the default bounded mean (weight-cap 2, bound-stretch 2) without the
-    # direction check, so that the size bound alone meets the attacker
+    # Prepare: the bounded mean (weight-cap 2; one bound for all, the default, or
+    # bound-stretch 2) without the direction check, so the size bound alone meets it
     config = fedavg_config(
-        run_config, tmp_path, "inflate-boost", **{"local-epochs": 2, "server-trust": False}
+        run_config,
+        tmp_path,
+        "inflate-boost",
+        **{"local-epochs": 2, "server-trust": False, "bound-stretch": cap},
     )
 
     # Execute
@@ -544,12 +552,12 @@ def test_inflate_boost_is_bounded_at_the_cohort_s_caps(
     # the lower median of distance / stretch, times its own stretch
     caps = weight_caps(profiles, 2.0)
     typical = typical_weight(list(caps.values()))
-    stretch = {n: bound_stretch(min(claimed[n], float(caps[n] or 0)), typical, 2.0) for n in caps}
-    assert stretch[attacker] == 2.0
+    stretch = {n: bound_stretch(min(claimed[n], float(caps[n] or 0)), typical, cap) for n in caps}
+    assert stretch[attacker] == max(cap, 1.0)
     distances = {n: float(np.linalg.norm(u)) for n, u in updates.items()}
     scale = sorted(distances[n] / stretch[n] for n in distances)[(len(distances) - 1) // 2]
     clips = {c["node"]: c for c in server.rounds[0]["clipped"] if c["kind"] == "parameters"}
-    assert clips[attacker]["bound"] == pytest.approx(2.0 * scale, rel=1e-4)
+    assert clips[attacker]["bound"] == pytest.approx(stretch[attacker] * scale, rel=1e-4)
     assert clips[attacker]["distance"] == pytest.approx(distances[attacker], rel=1e-4)
     assert distances[attacker] > 4 * clips[attacker]["bound"]  # cut to under a quarter
 

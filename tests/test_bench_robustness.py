@@ -287,7 +287,7 @@ def test_flexifed_s_default_and_its_common_ablation_differ_only_in_the_threshold
     # Execute
     default, common, clip2 = resolved("mean"), resolved("mean-common"), resolved("mean-clip2")
     clip3, clip3_trust = resolved("mean-clip3"), resolved("mean-clip3-trust")
-    one_bound = resolved("mean-one-bound")
+    stretch, cap1 = resolved("mean-stretch"), resolved("mean-cap1")
 
     # Assert: flexifed's own trust-threshold -0.1 by default, the declared 0 without it
     assert (default.trust_threshold, common.trust_threshold) == (-0.1, 0.0)
@@ -296,8 +296,9 @@ def test_flexifed_s_default_and_its_common_ablation_differ_only_in_the_threshold
     # the previous default had no direction check; its factor beside the check keeps it
     assert (clip3.clip_factor, clip3.server_trust) == (3.0, False)
     assert (clip3_trust.clip_factor, clip3_trust.server_trust) == (3.0, True)
-    # the default's bound grows with a node's examples; the ablation gives one to all
-    assert (default.bound_stretch, one_bound.bound_stretch) == (2.0, 0.0)
+    # one bound for all by default; the ablations stretch it or cap weights at the median
+    assert (default.bound_stretch, stretch.bound_stretch) == (0.0, 2.0)
+    assert (default.weight_cap, cap1.weight_cap, cap1.bound_stretch) == (2.0, 1.0, 0.0)
 
 
 def test_a_report_runs_nothing_not_even_the_cost_part(

@@ -375,7 +375,9 @@ def test_the_server_sets_each_round_s_typical_weight_from_the_cohort(
     from strategies.core.context import RoundContext
     from strategies.core.nodes import NodeInfo
 
-    config = run_config({**TINY, "strategy": "fedavg", "output-dir": str(tmp_path)})
+    config = run_config(
+        {**TINY, "strategy": "fedavg", "bound-stretch": 2.0, "output-dir": str(tmp_path)}
+    )
     server = build_server(config, bundle=digits_bundle).runner
     sizes = {1: 50, 2: 100, 3: 120, 4: 10**9}  # node 4 claims a billion examples
     for node, n in sizes.items():
