@@ -397,6 +397,9 @@ def test_new_keys_parse_from_the_defaults(default_run_config: dict[str, Any]) ->
         ("weight-cap", float("inf"), "finite"),
         ("bound-growth", 1.0, "factor > 1"),
         ("bound-growth", float("inf"), "finite"),
+        ("bound-stretch", 0.5, "0 (every node the same bound) or a multiple in [1, 100]"),
+        ("bound-stretch", 1e308, "0 (every node the same bound) or a multiple in [1, 100]"),
+        ("bound-stretch", float("nan"), "finite"),
         ("clip-ceiling", -1.0, "0 (off) or a non-negative multiple"),
     ],
 )
