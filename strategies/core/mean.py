@@ -138,11 +138,11 @@ class MeanAccumulator:
       scale that does not come from any node: it bounds a node alone in its
       architecture group, and a model's first round).
 
-    Each update's bound from the scale is stretched by its share of the round's
-    examples (``stretch`` in :meth:`add`,
-    :func:`~strategies.core.scales.bound_stretch`): a node that trained on twice a
-    typical node's examples may move the model twice as far, and its distance
-    counts towards the next scale halved. The ceiling is not stretched.
+    With run-config ``bound-stretch`` (off by default), each update's bound from
+    the scale is stretched by its share of the round's examples (``stretch`` in
+    :meth:`add`, :func:`~strategies.core.validation.bound_stretch`): a node that
+    trained on twice a typical node's examples may move the model twice as far, and
+    its distance counts towards the next scale halved. The ceiling is not stretched.
 
     When the model has no scale yet (its first round) the round's updates are kept
     until :meth:`result`, which clips them against ``clip_factor`` times this
@@ -256,7 +256,7 @@ class MeanAccumulator:
         direction: a narrow sub-model learns differently from the same part of the
         whole model.
 
-        ``stretch`` (:func:`~strategies.core.scales.bound_stretch`, positive): the
+        ``stretch`` (:func:`~strategies.core.validation.bound_stretch`, positive): the
         multiple of the scale's bound this update may move the model by, and what
         its distance is divided by before it counts towards the next scale.
 

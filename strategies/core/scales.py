@@ -7,9 +7,10 @@ committed round accepted (what each sent, at most ``bound-growth`` x its bound:
 (:func:`next_scale`), and at most ``clip-ceiling`` times the global model's own norm.
 Sub-model slices of one width are measured against each other (:func:`scale_key`),
 and every update also counts in whole-model units towards the pooled scale
-(``kind@all``). A node's bound grows with its share of the round's examples
-(:func:`~strategies.core.validation.bound_stretch`): its distance counts towards
-the scale divided by its stretch, so a scale is a typical node's distance. The
+(``kind@all``). With ``bound-stretch`` (off by default) a node's bound grows with
+its share of the round's examples (:func:`~strategies.core.validation.bound_stretch`):
+its distance counts towards the scale divided by its stretch, so a scale is a
+typical node's distance. The
 scales are the accumulator's checkpoint state: one round's
 :meth:`ScaleBook.medians` are the next round's ``previous``.
 
