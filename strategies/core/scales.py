@@ -10,8 +10,7 @@ and every update also counts in whole-model units towards the pooled scale
 (``kind@all``). With ``bound-stretch`` (off by default) a node's bound grows with
 its share of the round's examples (:func:`~strategies.core.validation.bound_stretch`):
 its distance counts towards the scale divided by its stretch, so a scale is a
-typical node's distance. The
-scales are the accumulator's checkpoint state: one round's
+typical node's distance. The scales are the accumulator's checkpoint state: one round's
 :meth:`ScaleBook.medians` are the next round's ``previous``.
 
 :class:`ScaleBook` keeps that bookkeeping for one round of
