@@ -140,6 +140,7 @@ ON_DEMAND = (
     "mean-clip3-trust",
     "mean-stretch",
     "mean-cap1",
+    "mean-no-trim",
 )
 """Ablations run only when ``--aggregators`` names them (not in the default grid)."""
 SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only", *ON_DEMAND)
@@ -168,6 +169,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "mean-clip3-trust": {"clip-factor": 3.0},
     "mean-stretch": {"bound-stretch": 2.0},
     "mean-cap1": {"weight-cap": 1.0},
+    "mean-no-trim": {"weight-trim": 0.0},
 }
 """The default ``mean`` without parts of it: the size bound alone (no direction check),
 the previous default (``clip-factor=3``, no direction check), the direction check
@@ -177,7 +179,9 @@ direction check at the common ``trust-threshold=0`` instead of its own -0.1), an
 default with ``clip-factor=2`` (tried for Felo) and ``clip-factor=3`` (the size bound
 of the previous default beside the direction check), the default with each node's
 bound grown with its examples (``bound-stretch=2``, within [1/2, 2]), and the default
-with no node weighing more than the cohort's median size (``weight-cap=1``)."""
+with no node weighing more than the cohort's median size (``weight-cap=1``), and the
+default without cutting the largest claimed sizes to the next (``weight-trim=0``, the
+default before 2026-11-28)."""
 GLOBAL_METRIC = {scheme: scheme not in KNOWLEDGE_SCHEMES for scheme in SCHEMES}
 """Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {
@@ -322,6 +326,7 @@ def cell_run_config(
             config["clip-factor"] = 0.0
             config["server-trust"] = False
         config["knowledge-clip-factor"] = 0.0
+        config["weight-trim"] = 0.0  # weight-cap's median bound stays, as before the cut
     elif name in ABLATIONS:
         rule = "mean"
         config.update(ABLATIONS[name])

@@ -468,6 +468,54 @@ def test_inflate_lies_consistently_and_trains_honestly(
     assert attacker not in {r["node"] for r in server.rounds[0]["rejected"]}
 
 
+@pytest.mark.parametrize("trim", [0.0, 0.2], ids=["median-cap", "trimmed"])
+def test_an_inflating_node_weighs_what_the_cohort_allows(
+    trim: float,
+    run_config: RunConfigFactory,
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
+) -> None:
+    # Prepare: the plain mean (no size bound, no direction check), so the round's
+    # model is the weighted mean of the replies, computed here by hand
+    config = fedavg_config(
+        run_config,
+        tmp_path,
+        "inflate",
+        **{"local-epochs": 2, "clip-factor": 0.0, "server-trust": False, "weight-trim": trim},
+    )
+
+    # Execute
+    server, grid, hostile, _ = run_federation(config, digits_bundle)
+
+    # Assert: each honest node weighs its handshake num-train (its num-examples are
+    # twice that); the liar weighs 2 x the lower median claim with the median cap
+    # alone, and the largest honest claim with weight-trim 0.2 (ceil(0.2 x 5) = 1
+    # largest claim, its own, cut to the next one down)
+    (attacker,) = hostile
+    sizes = {
+        r.metadata.src_node_id: int(cast(int, r.content.config_records[wire.PROFILE]["num-train"]))
+        for r in grid.replies_of(wire.HANDSHAKE)
+    }
+    honest = sorted(n for node, n in sizes.items() if node != attacker)
+    assert sizes[attacker] > 100 * honest[-1]
+    claims = sorted(sizes.values())
+    median = claims[(len(claims) - 1) // 2]
+    liar = float(honest[-1]) if trim else 2.0 * median
+    weights = {node: liar if node == attacker else float(n) for node, n in sizes.items()}
+    updates, _ = round_updates(grid, 1, hostile)
+    expected = sum(weights[n] * u for n, u in updates.items()) / sum(weights.values())
+    sent = next(iter(grid.sent_of("train")))
+    w0 = wire.record_to_numpy(sent.content.array_records[wire.ARRAYS])
+    after = server.models.arrays["cnn-2"]
+    moved = np.concatenate(
+        [(after[k].astype(np.float64) - w0[k]).ravel() for k in w0 if is_learned(k, w0[k])]
+    )
+    np.testing.assert_allclose(moved, expected, rtol=1e-5, atol=1e-7)
+    if trim:
+        assert liar < 2.0 * median
+
+
 def test_felo_knowledge_is_forged_over_the_honest_knowledge(
     run_config: RunConfigFactory, digits_bundle: Any, fast_clients: None, tmp_path: Path
 ) -> None:

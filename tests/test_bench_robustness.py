@@ -59,6 +59,8 @@ def test_run_configs_size_the_defences_to_the_attack(bench: ModuleType, tmp_path
     assert (a["attack"], a["partitioner"], a["dirichlet-alpha"]) == ("boost", "dirichlet", 0.5)
     assert (c["knowledge-merge"], c["clip-factor"], c["attack"]) == ("mean", 0.0, "")
     assert c["aggregator"] == "mean"
+    # the plain mean keeps weight-cap's median bound but not the default's cut
+    assert (c["weight-cap"], c["weight-trim"], a["weight-trim"]) == (2.0, 0.0, 0.2)
 
 
 def test_the_local_grid_counts_as_simulation() -> None:
@@ -288,6 +290,7 @@ def test_flexifed_s_default_and_its_common_ablation_differ_only_in_the_threshold
     default, common, clip2 = resolved("mean"), resolved("mean-common"), resolved("mean-clip2")
     clip3, clip3_trust = resolved("mean-clip3"), resolved("mean-clip3-trust")
     stretch, cap1 = resolved("mean-stretch"), resolved("mean-cap1")
+    no_trim = resolved("mean-no-trim")
 
     # Assert: flexifed's own trust-threshold -0.1 by default, the declared 0 without it
     assert (default.trust_threshold, common.trust_threshold) == (-0.1, 0.0)
@@ -299,6 +302,8 @@ def test_flexifed_s_default_and_its_common_ablation_differ_only_in_the_threshold
     # one bound for all by default; the ablations stretch it or cap weights at the median
     assert (default.bound_stretch, stretch.bound_stretch) == (0.0, 2.0)
     assert (default.weight_cap, cap1.weight_cap, cap1.bound_stretch) == (2.0, 1.0, 0.0)
+    # the largest claims cut to the next one by default; the ablation without the cut
+    assert (default.weight_trim, no_trim.weight_trim, no_trim.weight_cap) == (0.2, 0.0, 2.0)
 
 
 def test_a_report_runs_nothing_not_even_the_cost_part(

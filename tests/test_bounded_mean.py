@@ -225,6 +225,27 @@ def test_weight_caps_are_set_by_the_cohort() -> None:
     assert weight_caps({}, 2.0) == {}
 
 
+def test_weight_trim_cuts_the_largest_claims_to_the_next_one() -> None:
+    from strategies.core.validation import trimmed_claims
+
+    sizes = {1: 100, 2: 120, 3: 80, 4: 90, 5: 1_000_000_000}
+    # trim 0.2 of 5: ceil(1.0) = 1 claim cut, to the 2nd largest (120); the median cap
+    # (2 x 100 = 200) is looser
+    assert weight_caps(sizes, 2.0, 0.2) == {1: 100.0, 2: 120.0, 3: 80.0, 4: 90.0, 5: 120.0}
+    # without the median cap the cut alone holds the liar
+    assert weight_caps(sizes, 0.0, 0.2)[5] == 120.0
+    # two liars in ten, trim 0.2: ceil(2.0) = 2 cut to the 3rd largest, an honest 90
+    ten = {i: 10 * i for i in range(1, 9)} | {9: 10**9, 10: 10**9}
+    caps = weight_caps(ten, 0.0, 0.2)
+    assert caps[9] == caps[10] == caps[8] == 80.0 and caps[7] == 70.0
+    # ceil(0.2 x 4) = 1 of four; never all of a cohort; a node alone is never cut
+    assert (trimmed_claims(4, 0.2), trimmed_claims(2, 0.49), trimmed_claims(1, 0.4)) == (1, 1, 0)
+    assert weight_caps({1: 100, 2: 300}, 2.0, 0.2) == {1: 100.0, 2: 100.0}
+    assert weight_caps({1: 5}, 2.0, 0.2) == {1: 5.0}
+    # 0.1 x 30 is 3.0000000000000004 in floating point: still 3 cut, not 4
+    assert trimmed_claims(30, 0.1) == 3
+
+
 def test_knowledge_counts_are_capped_in_proportion() -> None:
     from strategies.felo.knowledge import ClassKnowledge, cap_counts
 

@@ -344,6 +344,7 @@ class HeteroStrategy(SchemeHooks[OptionsT]):
         caps = weight_caps(
             {n: self.nodes[n].num_train for n in ctx.assignment if n in self.nodes},
             self.weight_cap,
+            run.aggregation.weight_trim,
         )
         typical = typical_weight(list(caps.values()))
         ctx.limits = {

@@ -128,8 +128,35 @@ class Rejection:
     details: dict[str, str] = field(default_factory=dict)
 
 
-def weight_caps(num_train: Mapping[int, int], cap: float) -> dict[int, float | None]:
+def trimmed_claims(count: int, trim: float) -> int:
+    """Return how many of a cohort's largest claims run-config ``weight-trim`` cuts.
+
+    ``ceil(trim x count)``, at most ``count - 1`` (one node is never cut to another).
+
+    >>> trimmed_claims(5, 0.2), trimmed_claims(10, 0.2), trimmed_claims(4, 0.2)
+    (1, 2, 1)
+    >>> trimmed_claims(1, 0.2), trimmed_claims(8, 0.0)
+    (0, 0)
+    """
+    if count <= 1 or not trim > 0:
+        return 0
+    return min(math.ceil(trim * count - 1e-9), count - 1)
+
+
+def weight_caps(
+    num_train: Mapping[int, int], cap: float, trim: float = 0.0
+) -> dict[int, float | None]:
     """Per node, the most its reply may weigh (see :class:`ReplyLimits`).
+
+    Two bounds set by the cohort, not by the node: ``cap`` times the cohort's
+    (lower) median claimed training-set size, and the ``k``-th largest claim, where
+    ``k - 1`` = :func:`trimmed_claims` (``weight-trim``): the largest claims are cut
+    to the next one down. A node that lies about its size (``inflate``) then weighs
+    at most what an honest node of the cohort claims, as long as the liars are at
+    most ``ceil(trim x count)``: with the median cap alone it weighed ``cap`` times
+    a typical node, and its update, boosted to the size bound, took FedAvg under
+    Dirichlet(0.5) label skew to 0.74x of its clean accuracy (one node in five,
+    ``docs/pages/robustness.md``).
 
     Parameters
     ----------
@@ -138,20 +165,34 @@ def weight_caps(num_train: Mapping[int, int], cap: float) -> dict[int, float | N
     cap : float
         Run-config ``weight-cap``: multiple of the cohort's (lower) median
         ``num-train`` no node may weigh more than; ``0`` leaves only each node's own
-        ``num-train`` as its cap.
+        ``num-train`` (and ``trim``) as its cap.
+    trim : float
+        Run-config ``weight-trim``: share of the cohort whose largest claims are cut
+        to the next largest (``0``: none).
 
     Returns
     -------
     dict[int, float | None]
-        Node id to ``min(num_train[node], cap x median)``.
+        Node id to ``min(num_train[node], cap x median, k-th largest claim)``.
+
+    Examples
+    --------
+    >>> weight_caps({1: 100, 2: 120, 3: 90, 4: 110, 5: 10**9}, 2.0)[5]
+    220.0
+    >>> weight_caps({1: 100, 2: 120, 3: 90, 4: 110, 5: 10**9}, 2.0, 0.2)[5]
+    120.0
+    >>> sorted(weight_caps({1: 100, 2: 120, 3: 90, 4: 110, 5: 95}, 2.0, 0.2).values())
+    [90.0, 95.0, 100.0, 110.0, 110.0]
     """
     if not num_train:
         return {}
     ordered = sorted(num_train.values())
     median = float(ordered[(len(ordered) - 1) // 2])
-    return {
-        node: float(n) if cap <= 0 else min(float(n), cap * median) for node, n in num_train.items()
-    }
+    bound = math.inf if cap <= 0 else cap * median
+    cut = trimmed_claims(len(ordered), trim)
+    if cut:
+        bound = min(bound, float(ordered[len(ordered) - 1 - cut]))
+    return {node: min(float(n), bound) for node, n in num_train.items()}
 
 
 def bound_stretch(weight: float, typical: float | None, cap: float) -> float:

@@ -49,6 +49,9 @@ class AggregationConfig(Group):
         The bound on an update's distance, as a multiple of the cohort's median; 0 off.
     weight_cap : float
         Cap on a reply's claimed examples, as a multiple of the cohort's median; 0 off.
+    weight_trim : float
+        Share of the cohort whose largest claimed training-set sizes are cut to the
+        next largest claim; 0 off.
     bound_growth : float
         Factor by which the clip bound may move per round.
     bound_stretch : float
@@ -80,6 +83,7 @@ class AggregationConfig(Group):
     clip_norm: float
     clip_factor: float
     weight_cap: float
+    weight_trim: float
     bound_growth: float
     bound_stretch: float
     clip_ceiling: float
@@ -102,6 +106,7 @@ class AggregationConfig(Group):
             clip_norm=r.get("clip-norm", float),
             clip_factor=r.get("clip-factor", float),
             weight_cap=r.get("weight-cap", float),
+            weight_trim=r.get("weight-trim", float),
             bound_growth=r.get("bound-growth", float),
             bound_stretch=r.get("bound-stretch", float),
             clip_ceiling=r.get("clip-ceiling", float),
@@ -148,6 +153,13 @@ class AggregationConfig(Group):
             self.weight_cap,
             "use 0 (no cap) or a multiple >= 1 of the cohort's median claimed training-set "
             "size, e.g. 2",
+        )
+        require(
+            0.0 <= self.weight_trim < 0.5,
+            "weight-trim",
+            self.weight_trim,
+            "use 0 (off) or the share of the cohort, below 0.5, whose largest claimed "
+            "training-set sizes are cut to the next largest claim, e.g. 0.2",
         )
         require(
             self.bound_growth > 1,
