@@ -1,4 +1,4 @@
-"""Test oracles: FedFA's scalable aggregation and the coverage average, on lists.
+"""Test oracles: FedFA's scalable aggregation, the coverage average, the weights allowed.
 
 The product folds replies as they arrive (:class:`~strategies.core.mean.MeanAccumulator`,
 :class:`~strategies.submodel.ScalableAccumulator`); these take the whole cohort at
@@ -12,10 +12,12 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from flwr.app import Message
 
 from strategies.core.aggregation import AggregationError
 from strategies.core.aggregators import Index
 from strategies.core.mean import MeanAccumulator
+from strategies.core.validation import weight_caps
 from strategies.submodel.extract import coverage_index
 from strategies.submodel.norms import (
     TARGETS,
@@ -26,6 +28,7 @@ from strategies.submodel.norms import (
     norms_of,
     reference_norm,
 )
+from tessera import wire
 
 
 def _weights(count: int, weights: Sequence[float] | None) -> list[float]:
@@ -281,3 +284,21 @@ def scalable_aggregate(
         for state, index, f in zip(states, where, factors, strict=True)
     ]
     return coverage_average(global_state, scaled, weights, indices=where)
+
+
+def allowed_weights(sizes: Mapping[int, int], replies: Sequence[Message]) -> list[float]:
+    """Each reply's weight in a merge: its claimed ``num-examples`` within its cohort cap.
+
+    ``sizes`` are the round's cohort's handshake ``num-train`` (every node that was
+    sent the round's message); the caps are the default's (``weight-cap`` 2 x the
+    lower median, ``weight-trim`` 0.2: the largest claims cut to the next one,
+    :func:`strategies.core.validation.weight_caps`, whose maths is tested by hand in
+    ``tests/test_bounded_mean.py``).
+    """
+    caps = weight_caps(sizes, 2.0, 0.2)
+    out = []
+    for reply in replies:
+        claimed = float(reply.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES])
+        cap = caps[reply.metadata.src_node_id]
+        out.append(claimed if cap is None else min(claimed, cap))
+    return out

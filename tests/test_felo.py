@@ -35,6 +35,7 @@ from strategies.felo.knowledge import (
     ClassKnowledge,
     KnowledgeError,
     bound_knowledge,
+    cap_counts,
     check_knowledge_record,
     class_means,
     content_order,
@@ -54,6 +55,7 @@ from tests.conftest import (
     simulated_rounds,
     torch_threads,
 )
+from tests.oracles import allowed_weights
 from tests.test_strategies import Federation, run_federation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -601,6 +603,15 @@ def federation(
         yield get
 
 
+def capped_knowledge(fed: Federation, replies: list[Message]) -> list[ClassKnowledge]:
+    """The replies' knowledge, each node's counts cut to the weight its cohort allows it."""
+    sizes = {n: info.num_train for n, info in fed.server.nodes.items()}
+    return [
+        cap_counts(record_to_knowledge(r.content.array_records[KNOWLEDGE]), w)
+        for r, w in zip(replies, allowed_weights(sizes, replies), strict=True)
+    ]
+
+
 def _train_messages(fed: Federation, server_round: int) -> list[Message]:
     return [
         m
@@ -633,10 +644,11 @@ def test_scheme_runs_two_rounds_on_three_architectures(
 def test_felo_sends_round_one_averages_and_group_weights(
     federation: Callable[[str], Federation],
 ) -> None:
-    # Prepare: the count-weighted average of the round-1 replies' knowledge
+    # Prepare: the count-weighted average of the round-1 replies' knowledge, each
+    # node's counts within the weight the cohort allows it
     fed = federation("felo")
     first = fed.grid.replies_of("train")[:3]
-    parts = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in first]
+    parts = capped_knowledge(fed, first)
     expected = merge_knowledge(parts, num_classes=10)
 
     # Execute
@@ -669,9 +681,7 @@ def test_velo_records_cvae_training_and_sends_synthetic_features(
         assert math.isfinite(record["cvae_loss"])
     assert [r["cvae_dataset_size"] for r in fed.server.rounds] == [30, 60]
     first = fed.grid.replies_of("train")[:3]
-    averages = merge_knowledge(
-        [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in first], 10
-    )
+    averages = merge_knowledge(capped_knowledge(fed, first), 10)
     (targets, *_) = [
         record_to_knowledge(m.content.array_records[CLASS_TARGETS]) for m in _train_messages(fed, 2)
     ]
@@ -855,12 +865,15 @@ def test_felo_native_deployment(tmp_path: Path) -> None:
     assert len({c["arch"] for r in rounds for c in r["clients"]}) >= 2
 
 
-def _round_replies(fed: Federation, server_round: int) -> list[ClassKnowledge]:
+def _round_messages(fed: Federation, server_round: int) -> list[Message]:
     ids = {m.metadata.message_id for m in _train_messages(fed, server_round)}
+    return [r for r in fed.grid.replies_of("train") if r.metadata.reply_to_message_id in ids]
+
+
+def _round_replies(fed: Federation, server_round: int) -> list[ClassKnowledge]:
     return [
         record_to_knowledge(r.content.array_records[KNOWLEDGE])
-        for r in fed.grid.replies_of("train")
-        if r.metadata.reply_to_message_id in ids
+        for r in _round_messages(fed, server_round)
     ]
 
 
@@ -884,7 +897,8 @@ def test_knowledge_folded_as_it_arrives_equals_the_buffered_merge(
         positive = np.sort(norms(rows, kind)[norms(rows, kind) > 0])
         return float(positive[(positive.size - 1) // 2])
 
-    expected = merge_knowledge(bound_knowledge(second, 3.0)[0], num_classes=10)
+    capped = capped_knowledge(fed, _round_messages(fed, 2))
+    expected = merge_knowledge(bound_knowledge(capped, 3.0)[0], num_classes=10)
     above = np.zeros(sum(p.num_classes_present for p in second), dtype=bool)
     for k in kinds:
         assert median(second, k) >= median(first, k) / 2.0  # the floor did not bind

@@ -53,6 +53,7 @@ from tests.conftest import (
     round_input,
     torch_threads,
 )
+from tests.oracles import allowed_weights
 from tests.test_felo import Tiny, X, Y
 from tests.test_strategies import Federation, run_federation
 
@@ -435,16 +436,19 @@ def test_fedproto_sends_the_count_weighted_average(
     federation: Callable[[str], Federation],
 ) -> None:
     # Prepare: the count-weighted average of the round-1 replies, by numpy
+    # (each node's counts within the weight its cohort allows it)
     fed = federation("fedproto")
-    parts = [
-        record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES])
-        for r in _replies_of_round(fed, 1)
-    ]
+    replies = _replies_of_round(fed, 1)
+    sizes = {n: info.num_train for n, info in fed.server.nodes.items()}
+    parts = [record_to_prototypes(r.content.array_records[CLASS_PROTOTYPES]) for r in replies]
     sums = np.zeros((10, 128))
     counts = np.zeros(10)
-    for p in parts:
-        sums[p.class_ids] += p.counts[:, None] * p.prototypes.astype(np.float64)
-        counts[p.class_ids] += p.counts
+    for p, weight in zip(parts, allowed_weights(sizes, replies), strict=True):
+        held = p.counts
+        if held.sum() > weight:  # scaled down in proportion, each at least 1
+            held = np.maximum(1, np.floor(held * (weight / held.sum())))
+        sums[p.class_ids] += held[:, None] * p.prototypes.astype(np.float64)
+        counts[p.class_ids] += held
     present = np.flatnonzero(counts)
 
     # Execute
@@ -541,7 +545,7 @@ def test_a_hostile_node_s_scaled_prototypes_are_bounded(
     fast_clients: None,
     tmp_path: Path,
 ) -> None:
-    # Prepare: four nodes, one boosting its prototypes x1000; no weight cap, so the
+    # Prepare: four nodes, one boosting its prototypes x1000; no weight cap (nor cut), so the
     # oracle is the count-weighted mean of the honest nodes' prototypes
     config = run_config(
         {
@@ -551,6 +555,7 @@ def test_a_hostile_node_s_scaled_prototypes_are_bounded(
             "attack-fraction": 0.25,
             "attack-scale": 1000.0,
             "weight-cap": 0.0,
+            "weight-trim": 0.0,
             "output-dir": str(tmp_path),
             "run-name": "r",
         }
@@ -649,7 +654,9 @@ def test_fedproto_folded_as_it_arrives_equals_the_buffered_merge(
         )
         return float(norms[(norms.size - 1) // 2])
 
-    expected = merge_prototypes(rows(3), 10, rule="mean", clip_factor=3.0)
+    sizes = {n: info.num_train for n, info in fed.server.nodes.items()}
+    weights = allowed_weights(sizes, _replies_of_round(fed, 3))
+    expected = merge_prototypes(rows(3), 10, rule="mean", clip_factor=3.0, max_weights=weights)
     assert median(rows(3)) >= median(rows(2)) / 2.0  # the floor did not bind
 
     # Execute: what round 3 merged

@@ -54,6 +54,7 @@ from tests.conftest import (
     round_input,
     torch_threads,
 )
+from tests.oracles import allowed_weights
 
 NODE_IDS = (11, 22, 33)
 WEAK_NODE = 11  # partition 0 -> cpu-small
@@ -320,7 +321,10 @@ def test_fedavg_global_model_is_example_weighted_average_of_accepted_replies(
     last_round = fed.grid.replies_of("train")[3:]
     accepted = [r for r in last_round if r.metadata.src_node_id != 22]
     assert len(accepted) == 2
-    counts = [int(r.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES]) for r in accepted]
+    # each weighs its claim within its cohort cap (all three nodes; the largest
+    # handshake size is cut to the next one, weight-trim 0.2 of three)
+    sizes = {n: info.num_train for n, info in fed.server.nodes.items()}
+    counts = allowed_weights(sizes, accepted)
     arrays = [wire.record_to_numpy(r.content.array_records[wire.ARRAYS]) for r in accepted]
 
     # Execute

@@ -21,7 +21,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from server_app.app import build_server
 from strategies.core.nodes import parse_handshake
-from strategies.core.validation import Rejection, ReplyLimits, ReplySchema, validate_reply
+from strategies.core.validation import (
+    Rejection,
+    ReplyLimits,
+    ReplySchema,
+    validate_reply,
+    weight_caps,
+)
 from strategies.felo.knowledge import COUNTS, KNOWLEDGE
 from tessera import wire
 from tests.conftest import TINY_DIGITS, instruction, make_grid
@@ -193,7 +199,16 @@ def test_inflated_num_examples_cannot_replace_the_global_model(
     (rejection,) = record["rejected"]
     assert rejection["node"] == 102 and "num-train x local-epochs" in rejection["reason"]
     honest = [r for r in grid.replies_of("train") if r.metadata.src_node_id != 102]
-    weights = [float(r.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES]) for r in honest]
+    # each weighs its claim, at most its cohort cap (weight-trim 0.2 of three nodes:
+    # the largest handshake size is cut to the next one, node 102's included)
+    caps = weight_caps({n: info.num_train for n, info in server.nodes.items()}, 2.0, 0.2)
+    weights = [
+        min(
+            float(r.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES]),
+            float(caps[r.metadata.src_node_id] or 0),
+        )
+        for r in honest
+    ]
     assert server.global_arrays is not None
     for key, value in server.global_arrays.items():
         if not np.issubdtype(value.dtype, np.floating):
@@ -396,12 +411,13 @@ def test_the_server_sets_each_round_s_typical_weight_from_the_cohort(
     ctx = RoundContext(server_round=1, num_rounds=1, rng=np.random.default_rng(0))
     ctx.eligible = {node: "cnn-2" for node in sizes}
     server.select(ctx)
-    # caps: 50, 100, 120, 2 x 100 = 200 -> typical (lower median) 100
+    # caps: 50, 100, 120, and for the liar min(2 x 100, the next claim below it) =
+    # 120 (weight-trim 0.2 of four: ceil(0.8) = 1 claim cut) -> typical (lower median) 100
     assert {n: lim.max_weight for n, lim in ctx.limits.items()} == {
         1: 50.0,
         2: 100.0,
         3: 120.0,
-        4: 200.0,
+        4: 120.0,
     }
     assert {lim.typical_weight for lim in ctx.limits.values()} == {100.0}
     assert {lim.stretch_cap for lim in ctx.limits.values()} == {2.0}

@@ -102,8 +102,10 @@ class ReplyLimits:
     max_weight : float | None
         The most its reply may weigh in an example-weighted aggregate (``None``: its
         claimed ``num-examples``): its handshake ``num-train``, and at most
-        ``weight-cap`` times the median ``num-train`` of the round's cohort (a bound
-        set by the cohort, which a minority cannot move, not by the node itself).
+        ``weight-cap`` times the median ``num-train`` of the round's cohort, and at
+        most the claim below the cohort's largest ``weight-trim`` share (bounds set
+        by the cohort, which a minority cannot move, not by the node itself:
+        :func:`weight_caps`).
     typical_weight : float | None
         The cohort's typical weight cap (:func:`typical_weight`): how far a reply
         may move a bounded model grows with its weight relative to it
@@ -131,7 +133,8 @@ class Rejection:
 def trimmed_claims(count: int, trim: float) -> int:
     """Return how many of a cohort's largest claims run-config ``weight-trim`` cuts.
 
-    ``ceil(trim x count)``, at most ``count - 1`` (one node is never cut to another).
+    ``ceil(trim x count)``, at most ``count - 1``: the smallest claim is never cut,
+    and a node alone keeps its own.
 
     >>> trimmed_claims(5, 0.2), trimmed_claims(10, 0.2), trimmed_claims(4, 0.2)
     (1, 2, 1)
