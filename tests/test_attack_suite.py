@@ -233,6 +233,14 @@ def round_updates(
     return updates, replies
 
 
+def handshake_sizes(grid: LocalGrid) -> dict[int, int]:
+    """Each node's handshake ``num-train`` (what it claims), by node id."""
+    return {
+        r.metadata.src_node_id: int(cast(int, r.content.config_records[wire.PROFILE]["num-train"]))
+        for r in grid.replies_of(wire.HANDSHAKE)
+    }
+
+
 def fedavg_config(
     run_config: RunConfigFactory, tmp_path: Path, attack: str, **overrides: Any
 ) -> dict[str, Any]:
@@ -493,10 +501,7 @@ def test_an_inflating_node_weighs_what_the_cohort_allows(
     # alone, and the largest honest claim with weight-trim 0.2 (ceil(0.2 x 5) = 1
     # largest claim, its own, cut to the next one down)
     (attacker,) = hostile
-    sizes = {
-        r.metadata.src_node_id: int(cast(int, r.content.config_records[wire.PROFILE]["num-train"]))
-        for r in grid.replies_of(wire.HANDSHAKE)
-    }
+    sizes = handshake_sizes(grid)
     honest = sorted(n for node, n in sizes.items() if node != attacker)
     assert sizes[attacker] > 100 * honest[-1]
     claims = sorted(sizes.values())
@@ -586,10 +591,7 @@ def test_inflate_boost_is_bounded_at_the_cohort_s_caps(
 
     # Assert: it claims 1000x its size and sends 10x its update ...
     (attacker,) = hostile
-    profiles = {
-        r.metadata.src_node_id: int(cast(int, r.content.config_records[wire.PROFILE]["num-train"]))
-        for r in grid.replies_of(wire.HANDSHAKE)
-    }
+    profiles = handshake_sizes(grid)
     updates, replies = round_updates(grid, 1, hostile)
     claimed = {
         n: float(cast(int, r.content[wire.METRICS][wire.NUM_EXAMPLES])) for n, r in replies.items()
