@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tracemalloc
 import warnings
@@ -163,6 +164,59 @@ def test_the_mean_is_the_same_bit_for_bit_whatever_order_the_updates_arrive_in(
 
     forward, backward = float32_sum((0, 1, 2, 3, 4)), float32_sum((4, 3, 2, 1, 0))
     assert not np.array_equal(forward, backward), "float32 sums would depend on the order"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["fused", "torch"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["first-round", "streamed"])
+def test_a_clipped_update_is_one_term_so_two_nodes_mean_is_the_same_in_either_order(
+    compiled: bool, streamed: bool
+) -> None:
+    from strategies.core import fused
+    from strategies.core.sums import clipped
+
+    # Prepare: the README demo's two-node group, made small: equal weights, one update
+    # far (clipped) that leaves half its weights as they were (dead units), one near.
+    # Folded as w f far + w (1 - f) ref, the unchanged ones came back as ref only to
+    # within a float64 rounding, and the exact mean (a float32 halfway value) was
+    # rounded up or down by the arrival order
+    rng = np.random.default_rng(3)
+    ref = {"a.weight": (rng.standard_normal((512, 512)) * 0.1).astype(np.float32)}
+    far = ref["a.weight"] + (rng.standard_normal((512, 512)) * 0.01).astype(np.float32)
+    far[:, ::2] = ref["a.weight"][:, ::2]
+    near = ref["a.weight"] + (rng.standard_normal((512, 512)) * 0.001).astype(np.float32)
+    previous = {"parameters": 1.0} if streamed else None
+
+    def mean(order: list[np.ndarray]) -> tuple[np.ndarray, float]:
+        acc = MeanAccumulator(ref, clip_factor=1.0, previous=previous)
+        for update in order:
+            acc.add({"a.weight": update}, 193.0)
+        out = acc.result()["a.weight"]
+        (clip,) = acc.report().clips
+        return out, clip.bound / clip.distance
+
+    # Execute: both orders, with the compiled pass and without
+    with contextlib.nullcontext() if compiled else fused.disabled():
+        forward, factor = mean([far, near])
+        backward, _ = mean([near, far])
+
+    # Assert: bit for bit the same, and the exact mean of the clipped update (rounded
+    # to float32 once, as sent) and the near one, rounded once
+    np.testing.assert_array_equal(forward, backward)
+    assert 0 < factor < 1
+    cut = clipped(far, ref["a.weight"], factor)
+    want = ((cut.astype(np.float64) + near.astype(np.float64)) / 2).astype(np.float32)
+    np.testing.assert_array_equal(forward, want)
+
+
+def test_clipped_is_the_reference_where_the_update_left_it() -> None:
+    from strategies.core.sums import clipped
+
+    # base + 0.3 (value - base): 1 + 0.3 * 2 = 1.6; unchanged elements stay exactly base
+    base = np.array([1.0, 0.1, -7.25], np.float32)
+    value = np.array([3.0, 0.1, -7.25], np.float32)
+    out = clipped(value, base, 0.3)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, np.array([1.6, 0.1, -7.25], np.float32))
 
 
 def test_float32_weighted_mean_by_hand() -> None:

@@ -246,11 +246,17 @@ def _compile() -> tuple[_Kernel, _Correct, _Fold, _PairKernel] | None:
         _fold(v, t, w)
 
     @njit(fastmath=flags, nogil=True, cache=True)
-    def correct(v: Any, b: Any, t: Any, done: int, back: Any, rest: Any, base: Any) -> None:
+    def correct(v: Any, b: Any, t: Any, done: int, w: Any, f: Any) -> None:
+        # the clipped value b + f (v - b), rounded once to the update's dtype, goes in
+        # at w; the first `done` elements of v, folded at w, come back out
         for i in range(done):
-            t[i] += back * v[i] + base * b[i]
+            x = np.float64(b[i])
+            c = v.dtype.type(x + f * (np.float64(v[i]) - x))
+            t[i] += w * np.float64(c) - w * np.float64(v[i])
         for i in range(done, v.size):
-            t[i] += rest * v[i] + base * b[i]
+            x = np.float64(b[i])
+            c = v.dtype.type(x + f * (np.float64(v[i]) - x))
+            t[i] += w * np.float64(c)
 
     return measure_fold, correct, fold, measure_fold_pair
 
@@ -379,15 +385,18 @@ def correct(
     base: np.ndarray,
     total: np.ndarray,
     done: int,
-    back: float,
-    rest: float,
+    weight: float,
+    factor: float,
 ) -> bool:
-    """Re-weight a clipped update in one pass; return ``False`` when it does not apply.
+    """Fold a clipped update in one pass; return ``False`` when it does not apply.
 
-    ``total[:done] += back * value[:done]``, ``total[done:] += rest * value[done:]``
-    and ``total += -back * base`` (the clipped update's reference term, ``w (1 -
-    f)``), in ``total``'s precision. Flat contiguous arrays of one dtype only
-    (:data:`DTYPES`); otherwise nothing is done and ``False`` returned.
+    ``total += weight * clipped`` and ``total[:done] -= weight * value[:done]`` (the
+    blocks already folded unclipped), where ``clipped`` is ``base + factor * (value
+    - base)`` computed in float64 and rounded once to ``value``'s dtype, as
+    :func:`strategies.core.sums.clipped` computes it: the clipped update is one term
+    of the sum, so the sum does not depend on the order updates arrive in. Flat
+    contiguous arrays, ``value`` and ``base`` of one dtype of :data:`DTYPES`;
+    otherwise nothing is done and ``False`` returned.
     """
     compiled = None if _OFF else _compile()
     dtype = value.dtype
@@ -410,9 +419,8 @@ def correct(
         base.reshape(-1),
         total,
         int(done),
-        total.dtype.type(back),
-        total.dtype.type(rest),
-        total.dtype.type(-back),
+        total.dtype.type(weight),
+        np.float64(factor),
     )
     return True
 

@@ -35,7 +35,14 @@ from strategies.core.aggregators import (
 from strategies.core.direction import DirectionCheck
 from strategies.core.measure import flat, is_floating, measure_and_fold, squared_distance
 from strategies.core.scales import ScaleBook, covered_sizes, parse_scale_key
-from strategies.core.sums import Checked, Coverage, EntrySums, add_scaled, check_update
+from strategies.core.sums import (
+    Checked,
+    Coverage,
+    EntrySums,
+    add_clipped,
+    add_scaled,
+    check_update,
+)
 
 # parse_scale_key is imported from here by strategies.core.groups
 __all__ = ["MeanAccumulator", "MeanAggregator", "parse_scale_key"]
@@ -155,8 +162,10 @@ class MeanAccumulator:
     (:meth:`_stream_or_hold`), each against its own bound and direction verdict,
     so an update may wait in the accumulator for the next one.
 
-    A clipped update ``reference + f * (update - reference)`` is folded as
-    ``w * f * update + w * (1 - f) * reference``, so clipping allocates nothing.
+    A clipped update ``reference + f * (update - reference)`` is computed block by
+    block, rounded to the update's dtype and folded as one term ``w * clipped``
+    (:func:`~strategies.core.sums.clipped`): the mean does not depend on the order
+    the updates arrive in.
 
     With a ``direction`` (FLTrust's idea, Cao et al. NDSS 2021: the server trains
     the model on its own trusted pool and compares), an update pointing away from
@@ -496,19 +505,17 @@ class MeanAccumulator:
                 base = ref if where is None else ref[where]
                 total = self._sums.target(key, where)
                 done = folded[key]
-                # the first `done` elements went in at w: take w (1 - f) of them back out;
-                # the rest go in at w f; the reference at w (1 - f) (one pass if compiled;
-                # a strided slice of the sum has no flat view to pass it)
+                # the first `done` elements went in at w unclipped: take them back out;
+                # the clipped update goes in at w as one term (sums.clipped: the sum
+                # then does not depend on the arrival order); one pass if compiled (a
+                # strided slice of the sum has no flat view to pass it)
                 if not (
                     total.flags.c_contiguous
-                    and fused.correct(
-                        flat(value), base, flat(total), done, -w * (1 - factor), w * factor
-                    )
+                    and fused.correct(flat(value), base, flat(total), done, w, factor)
                 ):
                     if done:
-                        add_scaled(flat(total)[:done], flat(value)[:done], -w * (1 - factor))
-                    _add_from(total, value, done, w * factor)
-                    add_scaled(total, base, w * (1 - factor))
+                        add_scaled(flat(total)[:done], flat(value)[:done], -w)
+                    add_clipped(total, value, base, factor, w)
             elif folded[key] < value.size:  # not over after all (another entry was)
                 _add_from(self._sums.target(key, where), value, folded[key], w)
             self._cover.add(key, w, where)
@@ -519,9 +526,9 @@ class MeanAccumulator:
             factor = factors.get(entry_kind(key))
             if factor is None or not np.issubdtype(ref.dtype, np.floating):
                 self._sums.add(key, value, w, where)
-            else:  # w * (ref + f * (value - ref)) = w f value + w (1 - f) ref
-                self._sums.add(key, value, w * factor, where)
-                self._sums.add(key, ref if where is None else ref[where], w * (1 - factor), where)
+            else:  # w * (ref + f * (value - ref)), one term (sums.clipped)
+                base = ref if where is None else ref[where]
+                add_clipped(self._sums.target(key, where), value, base, factor, w)
             self._cover.add(key, w, where)
 
     def _flush(self) -> None:
