@@ -64,6 +64,7 @@ from tessera.compare.metrics import (  # noqa: E402
     Partitioning,
     ProtocolError,
     ceiling_key,
+    ceiling_rates,
     family_floor,
     is_floor,
     parse_partitioning,
@@ -603,6 +604,40 @@ class Comparison:
                 out[key] = max(scored, key=lambda s: s[0])[1]
         return out
 
+    def ceiling_grid(self, scheme: str, part: Partitioning, done: Mapping[str, Any]) -> list[float]:
+        """Return the learning rates a scheme's ceiling is tuned over (none when not tuned).
+
+        A scheme whose run-config ``learning-rate`` is tuned (its own or its
+        lineage's, e.g. ``local:ensemble`` takes the ensemble's) gets its ceiling
+        tuned over the same grid, the rate chosen for the scheme listed first.
+        """
+        for name in reversed(self.lineage(scheme)):
+            grid = self.tune.get(name, {}).get("learning-rate")
+            if grid:
+                first = self.chosen(name, part, done).get("learning-rate")
+                values = [float(v) for v in grid]
+                return sorted(values, key=lambda v: v != first)
+        return []
+
+    def ceiling_choice(
+        self, scheme: str, part: Partitioning, done: Mapping[str, Any] | None = None
+    ) -> dict[str, float]:
+        """Return, per architecture, the rate of its ceiling for a scheme (empty: the run's).
+
+        From the validation seed's ceiling cell (:func:`ceiling_rates`); empty for a
+        scheme whose learning rate is not tuned, or before that cell exists.
+        """
+        done = self.done() if done is None else done
+        grid = self.ceiling_grid(scheme, part, done)
+        if not grid:
+            return {}
+        cell = done.get(f"{CEILING}--{part.slug}--seed{self.validation_seed}", {})
+        return ceiling_rates(cell.get("centralised", {}), grid)
+
+    def tunes_learning_rate(self) -> bool:
+        """Return whether any scheme's ``learning-rate`` is tuned (its ceiling is then)."""
+        return any("learning-rate" in keys for keys in self.tune.values())
+
     @property
     def order(self) -> list[str]:
         """Every scheme the grid runs: ``local``, the family floors, then the schemes."""
@@ -642,6 +677,13 @@ class Comparison:
             for scheme in self.tune:
                 for part in self.partitionings:
                     self.log(f"  {scheme} on {part.label}: chose {self.chosen(scheme, part)}")
+            if self.ceiling and self.tunes_learning_rate():
+                # a tuned rate tunes the ceiling: every candidate's architectures centrally
+                failed += self._run_ceilings([self.validation_seed])
+                for scheme in self.tune:
+                    for part in self.partitionings:
+                        if choice := self.ceiling_choice(scheme, part):
+                            self.log(f"  ceiling of {scheme} on {part.label}: rates {choice}")
         cells = self.cells()
         for seed in self.seeds:  # a seed's ceilings as soon as its runs are in
             self.log(f"seed {seed}:")
@@ -725,6 +767,41 @@ class Comparison:
             pool.shutdown()
         return failed
 
+    def ceiling_plan(
+        self, seed: int, part: Partitioning, done: Mapping[str, Any]
+    ) -> dict[str, tuple[str, float | None]]:
+        """Return the ceiling entries a seed's runs need: key -> (architecture, rate).
+
+        Each architecture a run trained, at the rate the run trained it (a scheme's
+        own, or the common one: ``None``), or, on a reported seed, at the rate its
+        ceiling was tuned to on the validation seed (:meth:`ceiling_choice`). On the
+        validation seed: the architectures of every candidate of a scheme whose
+        learning rate is tuned, each at the candidate's rate.
+        """
+        validation = seed == self.validation_seed
+        runs = [
+            r
+            for r in done.values()
+            if r["kind"] == "scheme"
+            and r["partitioning"] == part.label
+            and r["seed"] == seed
+            and (
+                # the validation seed: the candidates of a scheme whose rate is tuned
+                self.ceiling_grid(r["scheme"].split("[", 1)[0], part, done)
+                if validation
+                else "[" not in r["scheme"]
+            )
+        ]
+        archs: dict[str, tuple[str, float | None]] = {}
+        for r in runs:
+            rate = run_learning_rate(r.get("run_config", {}))
+            tuned = {} if validation else self.ceiling_choice(r["scheme"], part, done)
+            fields = r["fields"]
+            for a in {*fields.get("archs", ()), *fields.get("global_by_arch", {})}:
+                used = tuned.get(a, rate)
+                archs[ceiling_key(a, used)] = (a, used)
+        return archs
+
     def _run_ceilings(self, seeds: Sequence[int]) -> list[str]:
         """Train, per partitioning and seed, every architecture its runs trained."""
         from tessera.compare.ceiling import CeilingSettings, train_centralised
@@ -735,20 +812,7 @@ class Comparison:
             for part in self.partitionings:
                 done = self.done()
                 key = f"{CEILING}--{part.slug}--seed{seed}"
-                runs = [
-                    r
-                    for r in done.values()
-                    if r["kind"] == "scheme"
-                    and r["partitioning"] == part.label
-                    and r["seed"] == seed
-                    and "[" not in r["scheme"]
-                ]
-                # each architecture at the rate its run trained it (a scheme's own, or the common)
-                archs: dict[str, tuple[str, float | None]] = {}
-                for r in runs:
-                    rate = run_learning_rate(r.get("run_config", {}))
-                    for a in {*r["fields"]["archs"], *r["fields"]["global_by_arch"]}:
-                        archs[ceiling_key(a, rate)] = (a, rate)
+                archs = self.ceiling_plan(seed, part, done)
                 have = dict(done.get(key, {}).get("centralised", {}))
                 missing = sorted(set(archs) - set(have))
                 if not missing:
@@ -812,8 +876,15 @@ class Comparison:
         wanted = {c.key for c in self.cells()} | {
             f"{CEILING}--{p.slug}--seed{s}" for p in self.partitionings for s in self.seeds
         }
-        cells = [r for k, r in self.done().items() if k in wanted]
-        rows = flat_rows(cells, self.floors)
+        done = self.done()
+        cells = [r for k, r in done.items() if k in wanted]
+        rates = {
+            (scheme, part.label): choice
+            for scheme in self.order
+            for part in self.partitionings
+            if (choice := self.ceiling_choice(scheme, part, done))
+        }
+        rows = flat_rows(cells, self.floors, rates)
         write_csv(rows, self.out / "results.csv")
         header = _header(self)
         text = header + markdown_tables(rows, self.order) + goal_section(rows)

@@ -25,6 +25,7 @@ from tessera.compare.metrics import (
     bytes_per_client_round,
     ceiling_for,
     ceiling_key,
+    ceiling_rates,
     mean_curve,
     parse_partitioning,
     plateau_round,
@@ -604,7 +605,10 @@ def test_a_bad_personalised_row_is_refused(name: str, named: str) -> None:
 
 
 def finish_tuning(
-    comparison: compare.Comparison, cells: list[compare.Cell], scores: dict[str, float]
+    comparison: compare.Comparison,
+    cells: list[compare.Cell],
+    scores: dict[str, float],
+    archs: tuple[str, ...] = (),
 ) -> None:
     """Record tuning cells as finished, each with the score of its candidate value."""
     for cell in cells:
@@ -616,7 +620,7 @@ def finish_tuning(
                 "partitioning": cell.partitioning.label,
                 "seed": cell.seed,
                 "run_config": dict(cell.config),
-                "fields": {"personal": scores[cell.variant]},
+                "fields": {"personal": scores[cell.variant], "archs": list(archs)},
                 "seconds": 0.0,
             }
         )
@@ -688,6 +692,104 @@ def test_a_personalised_row_takes_its_schemes_tuned_values(tmp_path: Path) -> No
     assert by_scheme["ensemble+ditto"]["learning-rate"] == 0.01
     assert by_scheme["ensemble+ditto"]["ditto-lambda"] == 0.1
     assert "ditto-lambda" not in by_scheme["ensemble"]
+
+
+def test_a_tuned_learning_rate_tunes_the_ceiling_on_the_validation_seed(tmp_path: Path) -> None:
+    # Arrange: the ensemble's rate tuned over 0.05|0.02 (0.05 chosen); on the
+    # validation seed mobilenet trained centrally reached 30 % at 0.05 and 90 % at
+    # 0.02, vgg 90 % at both (a tie: the chosen rate stays)
+    args = compare.build_parser().parse_args(
+        [
+            "--schemes",
+            "ensemble",
+            "--partitionings",
+            "iid",
+            "--seeds",
+            "0",
+            "--tune",
+            "ensemble:learning-rate=0.05|0.02",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    comparison = compare.comparison_from_args(args)
+    part = comparison.partitionings[0]
+    finish_tuning(
+        comparison,
+        comparison.tuning_cells(),
+        {"learning-rate=0.05": 0.8, "learning-rate=0.02": 0.5},
+        archs=("mobilenetv2_035", "vgg11_0125"),
+    )
+    assert comparison.ceiling_choice("ensemble", part) == {}  # no validation ceiling yet
+    comparison._append(
+        {
+            "key": f"centralised--{part.slug}--seed7",
+            "kind": "centralised",
+            "scheme": "centralised",
+            "partitioning": part.label,
+            "seed": 7,
+            "centralised": {
+                "mobilenetv2_035 lr=0.05": {"personal": {"0": 0.2, "1": 0.4}, "global": 0.3},
+                "mobilenetv2_035 lr=0.02": {"personal": {"0": 0.9, "1": 0.9}, "global": 0.9},
+                "vgg11_0125 lr=0.05": {"personal": {"0": 0.9, "1": 0.9}, "global": 0.9},
+                "vgg11_0125 lr=0.02": {"personal": {"0": 0.9, "1": 0.9}, "global": 0.9},
+                "cnn-1": {"personal": {"0": 0.5}, "global": 0.5},
+            },
+            "seconds": 1.0,
+        }
+    )
+    ensemble_run = {
+        "key": "ensemble--iid--seed0",
+        "kind": "scheme",
+        "scheme": "ensemble",
+        "partitioning": part.label,
+        "seed": 0,
+        "run_config": {"strategy": "ensemble", "learning-rate": 0.05},
+        "fields": {
+            "personal": 0.9,
+            "archs": ["mobilenetv2_035", "vgg11_0125"],
+            "global_by_arch": {},
+        },
+        "seconds": 1.0,
+    }
+    comparison._append(ensemble_run)
+
+    # Act
+    choice = comparison.ceiling_choice("ensemble", part)
+    plan = comparison.ceiling_plan(0, part, comparison.done())
+    validation_plan = comparison.ceiling_plan(7, part, comparison.done())
+
+    # Assert: mobilenet's ceiling at 0.02, vgg's at the chosen 0.05; the family floor
+    # takes the scheme's; an untuned scheme none; seed 0 trains the tuned entries, and
+    # the validation seed each candidate at its own rate
+    assert choice == {"mobilenetv2_035": 0.02, "vgg11_0125": 0.05}
+    assert comparison.ceiling_grid("local:ensemble", part, comparison.done()) == [0.05, 0.02]
+    assert comparison.ceiling_choice("local", part) == {}
+    assert plan == {
+        "mobilenetv2_035 lr=0.02": ("mobilenetv2_035", 0.02),
+        "vgg11_0125 lr=0.05": ("vgg11_0125", 0.05),
+    }
+    assert set(validation_plan) == {
+        f"{a} lr={r}" for a in ("mobilenetv2_035", "vgg11_0125") for r in ("0.05", "0.02")
+    }
+    central = {
+        "mobilenetv2_035 lr=0.05": {"personal": {"0": 0.1}, "global": 0.1},
+        "mobilenetv2_035 lr=0.02": {"personal": {"0": 0.95}, "global": 0.95},
+    }
+    assert ceiling_for({"0": "mobilenetv2_035"}, [], central, 0.05) == (0.1, None)
+    assert ceiling_for({"0": "mobilenetv2_035"}, [], central, 0.05, choice) == (0.95, None)
+
+
+def test_ceiling_rates_take_the_best_mean_and_skip_diverged_entries() -> None:
+    cell = {
+        "m lr=0.05": {"personal": {"0": 0.9, "1": 0.1}},  # mean 0.5
+        "m lr=0.02": {"personal": {"0": 0.6, "1": 0.6}},  # mean 0.6
+        "d lr=0.05": {"diverged": True, "personal": {}},
+        "d lr=0.02": {"personal": {"0": 0.3}},
+        "plain": {"personal": {"0": 1.0}},  # the common rate: not a candidate
+    }
+    assert ceiling_rates(cell, [0.05, 0.02]) == {"m": 0.02, "d": 0.02}
+    assert ceiling_rates(cell, [0.01]) == {}
 
 
 def test_a_finished_cell_with_another_run_config_runs_again(tmp_path: Path) -> None:

@@ -335,11 +335,52 @@ def run_learning_rate(run_config: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
+def ceiling_rates(
+    centralised: Mapping[str, Mapping[str, Any]], grid: Sequence[float]
+) -> dict[str, float]:
+    """Return, per architecture, the rate of ``grid`` its centralised training scored best at.
+
+    ``centralised`` is the validation seed's ceiling cell (keyed by
+    :func:`ceiling_key`); the score is the mean of an entry's ``personal``
+    accuracies (every client's held-out split), and a diverged entry scores
+    nothing. Ties go to the rate listed first (the caller lists the scheme's own
+    chosen rate first). Architectures with no entry at any rate of ``grid`` are
+    left out.
+
+    A scheme whose learning rate is tuned on the validation seed gets its ceiling
+    tuned the same way: the rate that trains a handful of local epochs well can be
+    too high for ``rounds x local-epochs`` epochs of central training
+    (``mobilenetv2_035`` at the ensemble's 0.05 reached 16 % once).
+
+    Examples
+    --------
+    >>> cell = {
+    ...     "m lr=0.05": {"personal": {"0": 0.2, "1": 0.4}},
+    ...     "m lr=0.02": {"personal": {"0": 0.9, "1": 0.9}},
+    ...     "v lr=0.05": {"personal": {"0": 0.9}},
+    ...     "v lr=0.02": {"personal": {"0": 0.9}},
+    ... }
+    >>> ceiling_rates(cell, [0.05, 0.02, 0.01])
+    {'m': 0.02, 'v': 0.05}
+    """
+    scores: dict[str, list[tuple[float, int, float]]] = {}
+    for order, rate in enumerate(grid):
+        for key, entry in centralised.items():
+            arch, sep, tail = key.rpartition(" lr=")
+            if not sep or float(tail) != float(rate) or entry.get("diverged"):
+                continue
+            values = [float(v) for v in entry.get("personal", {}).values()]
+            if values:
+                scores.setdefault(arch, []).append((statistics.fmean(values), -order, rate))
+    return {arch: max(found)[2] for arch, found in sorted(scores.items())}
+
+
 def ceiling_for(
     client_archs: Mapping[str, str],
     global_archs: Iterable[str],
     centralised: Mapping[str, Mapping[str, Any]],
     learning_rate: float | None = None,
+    rates: Mapping[str, float] | None = None,
 ) -> tuple[float | None, float | None]:
     """Return the ceiling matched to one run: its own architectures trained centrally.
 
@@ -356,6 +397,9 @@ def ceiling_for(
         :func:`ceiling_key`.
     learning_rate : float, optional
         The run's own learning rate (run-config ``learning-rate``), if it set one.
+    rates : Mapping[str, float], optional
+        Per architecture, the rate its ceiling was tuned to on the validation seed
+        (:func:`ceiling_rates`); it replaces ``learning_rate`` for that architecture.
 
     Returns
     -------
@@ -365,10 +409,11 @@ def ceiling_for(
         over its global models of their centralised accuracy on the server test
         set; ``None`` where an architecture was not trained centrally.
     """
+    rates = rates or {}
     personal: list[float] = []
-    glob = _global_ceiling(global_archs, centralised, learning_rate)
+    glob = _global_ceiling(global_archs, centralised, learning_rate, rates)
     for pid, arch in client_archs.items():
-        entry = centralised.get(ceiling_key(arch, learning_rate))
+        entry = centralised.get(ceiling_key(arch, rates.get(arch, learning_rate)))
         if entry is None or entry.get("diverged"):
             return None, glob
         value = entry.get("personal", {}).get(pid)
@@ -382,8 +427,12 @@ def _global_ceiling(
     archs: Iterable[str],
     centralised: Mapping[str, Mapping[str, Any]],
     learning_rate: float | None,
+    rates: Mapping[str, float],
 ) -> float | None:
-    values = [centralised.get(ceiling_key(a, learning_rate), {}).get("global") for a in archs]
+    values = [
+        centralised.get(ceiling_key(a, rates.get(a, learning_rate)), {}).get("global")
+        for a in archs
+    ]
     if not values or any(v is None for v in values):
         return None
     return statistics.fmean(float(v) for v in values if v is not None)

@@ -55,7 +55,9 @@ CSV_FIELDS = (
 
 
 def flat_rows(
-    cells: Sequence[Mapping[str, Any]], floors: Mapping[str, str] | None = None
+    cells: Sequence[Mapping[str, Any]],
+    floors: Mapping[str, str] | None = None,
+    rates: Mapping[tuple[str, str], Mapping[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (scheme, partitioning, seed), the ceiling rows included.
 
@@ -65,9 +67,13 @@ def flat_rows(
     family floor such as ``local:fedfa`` trains the scheme's own architectures
     alone) of the same partitioning and seed. The ``centralised`` row is the
     ceiling of ``local``'s architectures (the fleet's own choice, as ``local``
-    trains it).
+    trains it). ``rates``: per (scheme, partitioning label), the rate each
+    architecture's ceiling was tuned to on the validation seed
+    (:func:`~tessera.compare.metrics.ceiling_rates`), for schemes whose learning
+    rate is tuned; the others take their run's rate.
     """
     floors = floors or {}
+    rates = rates or {}
     central = {
         (c["partitioning"], c["seed"]): c["centralised"] for c in cells if c["kind"] == CEILING
     }
@@ -115,6 +121,7 @@ def flat_rows(
                 f["global_by_arch"],
                 central[where],
                 run_learning_rate(c.get("run_config", {})),
+                rates.get((c["scheme"], c["partitioning"])),
             )
             if where in central
             else (None, None)
