@@ -30,7 +30,11 @@ class FedAvgGroupsStrategy(HeteroStrategy[GroupOptionsT]):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.models = GroupModels(
-            self.aggregator, self.initial_arrays, self.pool_direction, self.reference_mix
+            self.aggregator,
+            self.initial_arrays,
+            self.pool_direction,
+            self.reference_mix,
+            cohort=self.env.run.aggregation.cohort_bound,
         )
 
     @property

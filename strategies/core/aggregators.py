@@ -73,10 +73,24 @@ class AccumulatorReport:
         ``mean`` is ``clip-factor`` times this.
     clips : tuple[Clip, ...]
         Updates that were scaled down.
+    relative : Mapping[str, tuple[float, ...]]
+        Per kind of entry, each accepted update's distance (what it told the scale:
+        :func:`~strategies.core.scales.scale_evidence`, in whole-model units) over
+        the L2 norm of the model's entries of that kind: what
+        :class:`~strategies.core.groups.GroupModels` draws the cohort's scale from
+        (empty when the accumulator does not measure distances).
+    cohort : Mapping[str, float]
+        An input, not a result: per kind, the whole cohort's scale relative to a
+        model's norm (:meth:`strategies.core.groups.GroupModels.pooled_scale`). The
+        ``mean`` of the next round bounds every update of this model by at most
+        ``clip-factor`` times it times the norm of the model's entries of that kind,
+        besides its own scale (empty: no such bound).
     """
 
     medians: Mapping[str, float] = field(default_factory=dict)
     clips: tuple[Clip, ...] = ()
+    relative: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    cohort: Mapping[str, float] = field(default_factory=dict)
 
 
 class Accumulator(Protocol):

@@ -3,7 +3,8 @@
 :class:`GroupModels` is the weight-averaging component every weight-sharing scheme
 uses (``fedavg`` and ``fedprox`` with one group, ``fedavg-groups``, Felo's weight
 sharing, FedHeNN's homogeneous mode). It holds what outlives a round: the weights
-and each group's last report (its clip bound). What one round gathers, an
+each group's last report (its clip bound) and, with ``cohort-bound``, the cohort's
+scale over the groups. What one round gathers, an
 accumulator per group opened lazily and who sent each update, is a
 :class:`GroupRound` in the round's context (``ctx.state(GroupRound)``): the round
 either commits it (it reached its quorum) or drops it with the context, and the
@@ -20,9 +21,16 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from strategies.core.aggregators import DIRECTION, Accumulator, AccumulatorReport, Aggregator, Index
+from strategies.core.aggregators import (
+    DEFAULT_GROWTH,
+    DIRECTION,
+    Accumulator,
+    AccumulatorReport,
+    Aggregator,
+    Index,
+)
 from strategies.core.direction import ClassDirections, PoolMix, along_mix
-from strategies.core.mean import parse_scale_key
+from strategies.core.scales import cohort_scale, parse_scale_key
 from strategies.core.sums import check_update
 from strategies.core.validation import ClientReply
 from tessera import wire
@@ -105,6 +113,15 @@ class GroupModels:
         (:meth:`strategies.core.strategy.HeteroStrategy.reference_mix`): for a
         label-skewed node, :meth:`fold` compares its update with ``direction`` on
         that mix (once per group, mix and round) instead of the whole pool's.
+    cohort : bool, optional
+        Run-config ``cohort-bound``: after a round that folded updates into two or
+        more groups, :meth:`commit` pools every group's accepted distances relative
+        to its model's norm into the cohort's scale (:meth:`pooled_scale`), and
+        every group's next accumulator bounds its updates by it too. A group of two
+        or three nodes has no honest majority: one hostile node in it picks its
+        group's median (the largest honest distance) and rides it; of the whole
+        cohort's it only picks which honest distance is the median. Off: each group
+        is bounded by its own distances only.
     """
 
     def __init__(
@@ -113,14 +130,19 @@ class GroupModels:
         initial: Callable[[str], dict[str, np.ndarray]],
         direction: PoolDirection | None = None,
         mixes: Callable[[int], PoolMix | None] | None = None,
+        *,
+        cohort: bool = False,
     ) -> None:
         self.aggregator = aggregator
         self.initial = initial
         self.direction = direction
         self.mixes = mixes
+        self.cohort = cohort
         self.arrays: dict[str, dict[str, np.ndarray]] = {}
         self.reports: dict[str, AccumulatorReport] = {}
         """Each group's last committed accumulator report (carries the clip bound)."""
+        self.relative: dict[str, float] = {}
+        """The cohort's scale per kind, relative to a model's norm (:meth:`pooled_scale`)."""
 
     def get(self, arch: str) -> dict[str, np.ndarray]:
         """Return the current global weights of ``arch`` (initialised on first use)."""
@@ -153,12 +175,11 @@ class GroupModels:
         if arch not in rnd.pending:
             current = self.get(arch)
             toward = None if self.direction is None else self.direction(arch, current, None)
+            previous = self._previous(arch)
             if toward is None:
-                acc = self.aggregator.accumulator(current, previous=self.reports.get(arch))
+                acc = self.aggregator.accumulator(current, previous=previous)
             else:
-                acc = self.aggregator.accumulator(
-                    current, previous=self.reports.get(arch), direction=toward
-                )
+                acc = self.aggregator.accumulator(current, previous=previous, direction=toward)
             rnd.pending[arch] = acc
             rnd.senders[arch] = []
         acc = rnd.pending[arch]
@@ -169,6 +190,36 @@ class GroupModels:
             acc.add(update, weight, index=index, direction=direction, stretch=stretch)
         if acc.count > before:
             rnd.senders[arch].append(node)
+
+    def _previous(self, arch: str) -> AccumulatorReport | None:
+        """Return what ``arch``'s next accumulator starts from (last report, cohort scale)."""
+        report = self.reports.get(arch)
+        if not (self.cohort and self.relative):
+            return report
+        return replace(report or AccumulatorReport(), cohort=dict(self.relative))
+
+    def pooled_scale(self, reports: Mapping[str, AccumulatorReport]) -> dict[str, float]:
+        """Return the cohort's next relative scale per kind from one round's group reports.
+
+        Per kind, :func:`~strategies.core.scales.cohort_scale` of every group's
+        :attr:`~strategies.core.aggregators.AccumulatorReport.relative` distances,
+        moved by at most the aggregator's ``growth`` from the current scale. Only a
+        round of two or more groups sets it (one group's own bound is already its
+        median); a kind no round set keeps its scale.
+        """
+        scales = dict(self.relative)
+        if not self.cohort or len(reports) < 2:
+            return scales
+        growth = float(getattr(self.aggregator, "growth", DEFAULT_GROWTH))
+        pooled: dict[str, list[float]] = {}
+        for report in reports.values():
+            for kind, values in report.relative.items():
+                pooled.setdefault(kind, []).extend(values)
+        for kind, distances in sorted(pooled.items()):
+            scale = cohort_scale(distances, scales.get(kind), growth)
+            if scale is not None:
+                scales[kind] = scale
+        return scales
 
     def _class_direction(
         self,
@@ -289,15 +340,19 @@ class GroupModels:
                 )
             self.reports[arch] = report
         sizes = {arch: rnd.pending[arch].count for arch in results}
+        self.relative = self.pooled_scale(reports)
         self.arrays.update(results)
         return GroupCommit(sizes=sizes, clips=clips)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the global weights and each group's median distance, for a checkpoint."""
-        return {
+        """Return the global weights, each group's median distance and the cohort's scale."""
+        state: dict[str, Any] = {
             "arrays": {arch: dict(arrays) for arch, arrays in self.arrays.items()},
             "medians": {arch: dict(r.medians) for arch, r in self.reports.items() if r.medians},
         }
+        if self.relative:
+            state["cohort"] = dict(self.relative)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`, after checking all of it against the architectures.
@@ -307,7 +362,9 @@ class GroupModels:
         (``"parameters"``, ``"statistics"``) of a restored group mapped to a finite
         number > 0 and at most :data:`~tessera.state_checks.MEDIAN_LIMIT` times the
         norm of the group's weights (at least 1), so a restored clip bound is
-        never switched off. Nothing is restored unless everything passes.
+        never switched off; the cohort's scale (relative to a model's norm) must map
+        entry kinds to finite numbers > 0 and at most ``MEDIAN_LIMIT``. Nothing is
+        restored unless everything passes.
 
         Raises
         ------
@@ -369,10 +426,20 @@ class GroupModels:
                         )
                     restored[kind] = positive_float(value, where=f"{field}.{kind}", maximum=limit)
                 reports[arch] = AccumulatorReport(medians=restored)
+            relative: dict[str, float] = {}
+            scales = {} if legacy else get_mapping(state, "cohort", where=where, default={})
+            for kind, value in scales.items():
+                field = f"{where}.cohort.{kind}"
+                if kind not in MEDIAN_KINDS:
+                    raise StateFileError(
+                        field, f"is not an entry kind; expected one of {MEDIAN_KINDS}"
+                    )
+                relative[str(kind)] = positive_float(value, where=field, maximum=MEDIAN_LIMIT)
         except StateFileError as err:
             raise refusal(state, err) from err
         self.arrays = arrays
         self.reports = reports
+        self.relative = relative
 
 
 def without_arrays(reply: ClientReply) -> ClientReply:

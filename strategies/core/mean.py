@@ -143,7 +143,11 @@ class MeanAccumulator:
       majority can move the bound by at most ``growth`` per round;
     - ``ceiling`` times the L2 norm of the reference's entries of that kind (a
       scale that does not come from any node: it bounds a node alone in its
-      architecture group, and a model's first round).
+      architecture group, and a model's first round);
+    - with a ``cohort`` scale (group-averaging schemes, run-config
+      ``cohort-bound``), ``clip_factor`` times it times the reference's norm of the
+      kind: the whole cohort's lower median distance relative to a model's norm,
+      so that a node in a group of two or three cannot pick its group's bound.
 
     With run-config ``bound-stretch`` (off by default), each update's bound from
     the scale is stretched by its share of the round's examples (``stretch`` in
@@ -208,6 +212,12 @@ class MeanAccumulator:
         random direction passed) is bounded by the group's sizes, not alone by
         its own (NeFL's per-slice normalisation, 2 of 3 dropped: a dense +-1e30
         update was bounded by the ceiling and took the slice to chance).
+    cohort : Mapping[str, float] | None
+        Per kind, the whole cohort's scale relative to a model's norm, from a
+        :class:`~strategies.core.groups.GroupModels` of several architecture groups
+        (run-config ``cohort-bound``): every bound of the kind is also at most
+        ``clip_factor`` times it times the reference's norm of that kind
+        (:class:`~strategies.core.scales.ScaleBook`). ``None``: no such bound.
     """
 
     def __init__(
@@ -221,6 +231,7 @@ class MeanAccumulator:
         ceiling: float = 0.0,
         direction: Mapping[str, np.ndarray] | None = None,
         threshold: float = 0.0,
+        cohort: Mapping[str, float] | None = None,
     ) -> None:
         self.reference = dict(reference)
         self.scales = ScaleBook(
@@ -230,6 +241,7 @@ class MeanAccumulator:
             max_distance=max_distance,
             growth=growth,
             ceiling=ceiling,
+            cohort=cohort,
         )
         """The bounds and what this round accepted (:mod:`strategies.core.scales`)."""
         self.check = DirectionCheck(self.reference, direction, threshold)
@@ -584,7 +596,11 @@ class MeanAccumulator:
         round's scale.
         """
         self._settle_held()
-        return AccumulatorReport(medians=self.scales.medians(), clips=tuple(self._clips))
+        return AccumulatorReport(
+            medians=self.scales.medians(),
+            clips=tuple(self._clips),
+            relative=self.scales.relative(),
+        )
 
 
 @dataclass(frozen=True)
@@ -610,7 +626,11 @@ class MeanAggregator:
         previous: AccumulatorReport | None = None,
         direction: Mapping[str, np.ndarray] | None = None,
     ) -> Accumulator:
-        """Return a fresh :class:`MeanAccumulator` bounded by the previous round's scale."""
+        """Return a fresh :class:`MeanAccumulator` bounded by the previous round's scale.
+
+        And by the cohort's relative scale when ``previous`` carries one
+        (:attr:`AccumulatorReport.cohort`).
+        """
         return MeanAccumulator(
             reference,
             clip_factor=self.clip_factor,
@@ -619,6 +639,7 @@ class MeanAggregator:
             ceiling=self.ceiling,
             direction=direction,
             threshold=self.threshold,
+            cohort=None if previous is None else previous.cohort,
         )
 
 

@@ -242,6 +242,7 @@ WEIGHT_ONLY_KEYS = (
     "clip-factor",
     "clip-ceiling",
     "bound-growth",
+    "cohort-bound",
     "server-trust",
     "trust-threshold",
     "clip-norm",

@@ -77,6 +77,50 @@ def scale_evidence(sent: float, bound: float, growth: float) -> float:
     return min(sent, growth * bound) if bound > 0 else sent
 
 
+def cohort_cap(clip_factor: float, relative: float, norm: float) -> float | None:
+    """Return the bound the cohort's relative scale sets on a model of ``norm``, or ``None``.
+
+    ``clip_factor x relative x norm``: the cohort's lower median distance relative
+    to a model's norm (:func:`cohort_scale`), applied to this model. ``None`` when
+    any factor is not finite and positive (no bound from the cohort).
+
+    >>> cohort_cap(1.0, 0.25, 20.0), cohort_cap(3.0, 0.25, 20.0)
+    (5.0, 15.0)
+    >>> cohort_cap(1.0, float("nan"), 20.0) is None, cohort_cap(1.0, 0.05, 0.0) is None
+    (True, True)
+    """
+    values = (float(clip_factor), float(relative), float(norm))
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        return None
+    return values[0] * values[1] * values[2]
+
+
+def cohort_scale(relative: Sequence[float], previous: float | None, growth: float) -> float | None:
+    """Return the cohort's next relative scale from its updates' relative distances.
+
+    The lower median of ``relative`` (each accepted update's distance over its own
+    model's norm, :meth:`ScaleBook.relative`, pooled over every architecture group
+    of the round), moved by at most ``growth`` from ``previous``
+    (:func:`next_scale`): in a group of two or three a hostile node picks which
+    distance is its group's median, but of the whole cohort's it can only pick which
+    honest one is, and a majority moves it by at most ``growth`` a round. ``None``
+    when no distance is finite and positive.
+
+    >>> cohort_scale([0.02, 0.5, 0.03, 0.04, 0.01], None, 2.0)
+    0.03
+    >>> cohort_scale([0.02, 0.5, 0.03, 0.04, 0.01], 0.01, 2.0)
+    0.02
+    >>> cohort_scale([], 0.01, 2.0) is None
+    True
+    """
+    usable = [float(r) for r in relative if math.isfinite(r) and r > 0]
+    if not usable:
+        return None
+    if previous is not None and not (math.isfinite(previous) and previous > 0):
+        previous = None
+    return next_scale(usable, previous, growth)
+
+
 POOLED = "all"
 """Suffix of the scale key that pools every slice in whole-model units (``parameters@all``)."""
 
@@ -139,6 +183,11 @@ class ScaleBook:
     ceiling : float
         Multiple of the reference's own L2 norm (per kind) no update may exceed
         (``0``: no ceiling).
+    cohort : Mapping[str, float] | None
+        Per kind, the whole cohort's scale relative to a model's norm
+        (:meth:`strategies.core.groups.GroupModels.pooled_scale`): every bound of the
+        kind is at most ``clip_factor`` times it times the reference's norm of the
+        kind (:func:`cohort_cap`), like the ceiling; ``None`` or empty: no such bound.
     """
 
     def __init__(
@@ -150,6 +199,7 @@ class ScaleBook:
         max_distance: float | None,
         growth: float,
         ceiling: float,
+        cohort: Mapping[str, float] | None = None,
     ) -> None:
         self.clip_factor = float(clip_factor)
         self.max_distance = max_distance
@@ -157,11 +207,17 @@ class ScaleBook:
         self.previous: dict[str, float] = {}
         if previous and all(math.isfinite(d) and d > 0 for d in previous.values()):
             self.previous = {kind: float(d) for kind, d in previous.items()}
+        self.norms: dict[str, float] = reference_norms(reference) if self.clip_factor > 0 else {}
+        """Per kind, the L2 norm of the reference's floating entries (when bounded)."""
         self.ceilings: dict[str, float] = {}
         if self.clip_factor > 0 and ceiling > 0:
-            for kind, norm in reference_norms(reference).items():
+            for kind, norm in self.norms.items():
                 if norm > 0:
                     self.ceilings[kind] = float(ceiling) * norm * CEILING_SCALE.get(kind, 1.0)
+        for kind, relative in (cohort or {}).items():
+            cap = cohort_cap(self.clip_factor, relative, self.norms.get(kind, 0.0))
+            if cap is not None:
+                self.ceilings[kind] = min(self.ceilings.get(kind, math.inf), cap)
         self.sizes: dict[str, int] = {}
         """Per kind, the reference's floating elements (a whole-model update covers all)."""
         for key, value in reference.items():
@@ -315,6 +371,21 @@ class ScaleBook:
                     continue  # nothing moved: no bound needed
                 bounds[kind] = self.capped(kind, self.clip_factor * scale * stretch)
             out.append(bounds)
+        return out
+
+    def relative(self) -> dict[str, tuple[float, ...]]:
+        """Per kind, what each accepted update told the scale over the reference's norm.
+
+        The distances of :attr:`whole` (each update's evidence in whole-model units,
+        divided by its stretch) divided by :attr:`norms`: the relative distances a
+        :class:`~strategies.core.groups.GroupModels` pools over its groups
+        (:func:`cohort_scale`). Kinds whose reference norm is 0 are left out.
+        """
+        out: dict[str, tuple[float, ...]] = {}
+        for kind, distances in sorted(self.whole.items()):
+            norm = self.norms.get(kind, 0.0)
+            if norm > 0 and distances:
+                out[kind] = tuple(d / norm for d in distances)
         return out
 
     def medians(self) -> dict[str, float]:

@@ -54,6 +54,9 @@ class AggregationConfig(Group):
         next largest claim; 0 off.
     bound_growth : float
         Factor by which the clip bound may move per round.
+    cohort_bound : bool
+        Bound each architecture group's updates by the whole cohort's median distance
+        too, relative to each model's norm (group-averaging schemes).
     bound_stretch : float
         How far a node's clip bound may grow (and shrink) with its share of the
         round's examples, as a multiple; 0 or 1 off.
@@ -85,6 +88,7 @@ class AggregationConfig(Group):
     weight_cap: float
     weight_trim: float
     bound_growth: float
+    cohort_bound: bool
     bound_stretch: float
     clip_ceiling: float
     server_trust: bool
@@ -108,6 +112,7 @@ class AggregationConfig(Group):
             weight_cap=r.get("weight-cap", float),
             weight_trim=r.get("weight-trim", float),
             bound_growth=r.get("bound-growth", float),
+            cohort_bound=r.get("cohort-bound", bool),
             bound_stretch=r.get("bound-stretch", float),
             clip_ceiling=r.get("clip-ceiling", float),
             server_trust=r.get("server-trust", bool),
