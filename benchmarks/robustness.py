@@ -141,7 +141,7 @@ ON_DEMAND = (
     "mean-stretch",
     "mean-cap1",
     "mean-no-trim",
-    "mean-no-cohort",
+    "mean-cohort",
 )
 """Ablations run only when ``--aggregators`` names them (not in the default grid)."""
 SUB_MODEL_AGGREGATORS = ("mean", "mean-unbounded", "mean-bound-only", *ON_DEMAND)
@@ -171,7 +171,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "mean-stretch": {"bound-stretch": 2.0},
     "mean-cap1": {"weight-cap": 1.0},
     "mean-no-trim": {"weight-trim": 0.0},
-    "mean-no-cohort": {"cohort-bound": False},
+    "mean-cohort": {"cohort-bound": True},
 }
 """The default ``mean`` without parts of it: the size bound alone (no direction check),
 the previous default (``clip-factor=3``, no direction check), the direction check
@@ -183,9 +183,9 @@ of the previous default beside the direction check), the default with each node'
 bound grown with its examples (``bound-stretch=2``, within [1/2, 2]), and the default
 with no node weighing more than the cohort's median size (``weight-cap=1``), and the
 default without cutting the largest claimed sizes to the next (``weight-trim=0``, the
-default before 2026-11-28), and the default with each architecture group bounded by
-its own distances only (``cohort-bound=false``, the default before 2026-11-28's
-stop 48; it acts only where a round has two or more groups: ``fedavg-groups``)."""
+default before 2026-11-28), and the default with each architecture group also bounded by
+the whole cohort's distances relative to each model's norm (``cohort-bound=true``;
+it acts only where a round has two or more groups: ``fedavg-groups``)."""
 GLOBAL_METRIC = {scheme: scheme not in KNOWLEDGE_SCHEMES for scheme in SCHEMES}
 """Whether a scheme is judged by its global model (else the honest clients' own)."""
 COMMON: dict[str, Any] = {

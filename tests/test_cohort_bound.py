@@ -22,7 +22,7 @@ from strategies.core.aggregators import AccumulatorReport
 from strategies.core.groups import GroupModels, GroupRound
 from strategies.core.mean import MeanAccumulator, MeanAggregator
 from strategies.core.scales import cohort_cap, cohort_scale
-from tests.conftest import TINY_DIGITS, make_grid
+from tests.conftest import TINY_DIGITS, load_default_run_config, make_grid
 
 
 def vec(*values: float) -> dict[str, np.ndarray]:
@@ -163,7 +163,13 @@ def test_fedavg_groups_pools_its_groups_through_a_real_round(
     # Prepare: four real ClientApps on the in-process grid, three profiles -> two or
     # more architecture groups
     config = run_config(
-        {**TINY_DIGITS, "strategy": "fedavg-groups", "output-dir": str(tmp_path), "run-name": "r"}
+        {
+            **TINY_DIGITS,
+            "strategy": "fedavg-groups",
+            "cohort-bound": True,
+            "output-dir": str(tmp_path),
+            "run-name": "r",
+        }
     )
     server = build_server(config, bundle=digits_bundle).runner
 
@@ -176,6 +182,8 @@ def test_fedavg_groups_pools_its_groups_through_a_real_round(
     assert len(models.arrays) >= 2
     (scale,) = [v for k, v in models.relative.items() if k == "parameters"]
     assert math.isfinite(scale) and 0.0 < scale < 1.0
+    # off by default (pyproject.toml), and then the groups are not pooled
+    assert load_default_run_config()["cohort-bound"] is False
     off = build_server(
         {**config, "cohort-bound": False, "run-name": "off"}, bundle=digits_bundle
     ).runner
