@@ -973,3 +973,25 @@ def test_goal_section_says_how_far_a_scheme_is_from_a_third_of_the_gap() -> None
     rows = [r for r in GOAL_ROWS if r["partitioning"] == "dir" and r["scheme"] in ("local", "c")]
     rows += [r for r in GOAL_ROWS if r["scheme"] == "centralised" and r["partitioning"] == "dir"]
     assert "| dir | c | -1.0 (-1.0) | 0/1 | +12.0 | no (needs +4.0) |" in goal_section(rows)
+
+
+def test_cells_diff_prints_both_files_means_over_their_common_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.cells_diff import main
+
+    def cell(scheme: str, seed: int, personal: float, global_: float | None) -> str:
+        fields = {"personal": personal, "global": global_}
+        row = {"kind": "scheme", "scheme": scheme, "partitioning": "iid", "seed": seed}
+        return json.dumps({**row, "fields": fields})
+
+    before = tmp_path / "before.jsonl"
+    after = tmp_path / "after.jsonl"
+    ceiling = json.dumps({"kind": "centralised", "scheme": "x", "partitioning": "iid"})
+    before.write_text("\n".join([cell("a", 0, 0.8, 0.5), cell("a", 1, 0.6, 0.3), ceiling]))
+    after.write_text("\n".join([cell("a", 0, 0.7, 0.4), cell("a", 2, 0.1, None)]))
+
+    assert main([str(before), str(after)]) == 0
+
+    # seed 0 only is in both: 80.0 -> 70.0 personalised, 50.0 -> 40.0 global
+    assert "| a | iid | 0 | 80.0 | 70.0 | 50.0 | 40.0 |" in capsys.readouterr().out
