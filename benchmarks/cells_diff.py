@@ -3,10 +3,9 @@
 ``benchmarks.compare`` keeps every finished federation in a ``cells.jsonl``. When a
 change of the default is tried on some rows only (its cells written to another
 folder), this prints, per row (scheme, partitioning), the mean personalised and
-global accuracy of both files over the seeds both hold, and the paired difference::
+global accuracy of both files over the seeds both hold::
 
-    .venv/bin/python -m benchmarks.cells_diff results/compare/digits/cells.jsonl \\
-        results/compare/digits-cohort-bound/cells.jsonl
+    .venv/bin/python -m benchmarks.cells_diff BEFORE/cells.jsonl AFTER/cells.jsonl
 """
 
 from __future__ import annotations
