@@ -2,7 +2,7 @@
 
 :class:`GroupModels` is the weight-averaging component every weight-sharing scheme
 uses (``fedavg`` and ``fedprox`` with one group, ``fedavg-groups``, Felo's weight
-sharing, FedHeNN's homogeneous mode). It holds what outlives a round: the weights
+sharing, FedHeNN's homogeneous mode). It holds what outlives a round: the weights,
 each group's last report (its clip bound) and, with ``cohort-bound``, the cohort's
 scale over the groups. What one round gathers, an
 accumulator per group opened lazily and who sent each update, is a
