@@ -65,6 +65,11 @@ def paired_rows(
     }
 
 
+def _pct(value: tuple[list[int], float, float] | None, i: int) -> str:
+    """Return the ``i``-th figure of a :func:`paired_rows` entry in %, or ``-``."""
+    return "-" if value is None else f"{100 * value[i]:.1f}"
+
+
 def table(
     before: Mapping[tuple[str, str, int], Mapping[str, Any]],
     after: Mapping[tuple[str, str, int], Mapping[str, Any]],
@@ -80,13 +85,9 @@ def table(
         p = personal.get(row)
         g = overall.get(row)
         seeds = (p or g or ([], 0.0, 0.0))[0]
-
-        def pct(value: tuple[list[int], float, float] | None, i: int) -> str:
-            return "-" if value is None else f"{100 * value[i]:.1f}"
-
         lines.append(
-            f"| {row[0]} | {row[1]} | {','.join(map(str, seeds))} | {pct(p, 1)} | "
-            f"{pct(p, 2)} | {pct(g, 1)} | {pct(g, 2)} |"
+            f"| {row[0]} | {row[1]} | {','.join(map(str, seeds))} | {_pct(p, 1)} | "
+            f"{_pct(p, 2)} | {_pct(g, 1)} | {_pct(g, 2)} |"
         )
     return "\n".join(lines)
 
