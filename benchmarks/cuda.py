@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import simulate_command
+from benchmarks.harness import run_in_group, sigterm_as_ctrl_c, simulate_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TIGHT_BUDGET = 0.05
@@ -214,7 +214,7 @@ def simulate(
         extra=("--gpus-per-node", f"{gpus:g}"),
     )
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    proc = run_in_group(cmd, env=env, timeout=1800)
     wall = time.monotonic() - started
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -378,4 +378,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_ctrl_c():  # `kill` stops the federation it started too
+        sys.exit(main())

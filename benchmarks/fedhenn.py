@@ -32,14 +32,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import simulate_command
+from benchmarks.harness import run_in_group, sigterm_as_ctrl_c, simulate_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = "cpu-small,cpu-medium,cpu-large,jetson-orin,gpu-server"
@@ -65,7 +64,7 @@ def run_once(run_config: str, *, nodes: int, out: Path, name: str) -> list[dict[
     cmd = simulate_command(nodes=nodes, name=name, out=out, run_config=run_config)
     started = time.monotonic()
     env = {**os.environ, "FLWR_HOME_SIM": str(out / "flwr-home" / name)}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    proc = run_in_group(cmd, env=env, timeout=900)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"run {name} failed (exit {proc.returncode})")
@@ -246,4 +245,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_ctrl_c():  # `kill` stops the federation it started too
+        sys.exit(main())

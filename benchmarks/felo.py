@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import mean_std, simulate_command
+from benchmarks.harness import mean_std, run_in_group, sigterm_as_ctrl_c, simulate_command
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -154,7 +153,7 @@ def simulate(run: Run, *, rounds: int, nodes: int, out: Path, home: Path) -> dic
     started = time.monotonic()
     cmd = simulate_command(nodes=nodes, name=run.name, out=out, run_config=run_config(run, rounds))
     env = {**os.environ, "FLWR_HOME_SIM": str(home / run.name)}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    proc = run_in_group(cmd, env=env, timeout=1800)
     seconds = time.monotonic() - started
     metrics = out / run.name / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
@@ -264,4 +263,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_ctrl_c():  # `kill` stops the federation it started too
+        sys.exit(main())

@@ -237,6 +237,50 @@ def stop_group(proc: subprocess.Popen[Any]) -> None:
             continue
 
 
+def run_in_group(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path = ROOT,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a process group of its own and return what it printed.
+
+    ``subprocess.run(..., timeout=...)`` kills only the process it started: a
+    ``scripts/simulate.sh`` or ``deploy-local.sh`` killed so never runs its trap, and
+    its SuperLink, ``flwr-simulation`` and Ray outlive the benchmark. Here the command
+    gets a session of its own, and on a timeout, an exception or Ctrl-C (SIGTERM too,
+    inside :func:`sigterm_as_ctrl_c`) the whole group is stopped (:func:`stop_group`)
+    before the error propagates. Output goes to temporary files, not pipes, so a
+    process stopping while it prints never blocks on a full pipe.
+
+    Raises
+    ------
+    subprocess.TimeoutExpired
+        If ``cmd`` ran past ``timeout`` seconds (its group is stopped first).
+    """
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                stop_group(proc)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, out.read(), err.read())
+
+
 @contextlib.contextmanager
 def sigterm_as_ctrl_c() -> Iterator[None]:
     """Inside the block, SIGTERM raises :class:`KeyboardInterrupt` as Ctrl-C does.

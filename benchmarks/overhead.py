@@ -58,7 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import simulate_command
+from benchmarks.harness import run_in_group, sigterm_as_ctrl_c, simulate_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("fedavg", "flwr-fedavg")
@@ -211,7 +211,7 @@ def run_once(
         sampler = MemorySampler(lambda: pss_mb(needle))
         sampler.start()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        proc = run_in_group(cmd, timeout=1800)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -474,4 +474,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_ctrl_c():  # `kill` stops the federation it started too
+        sys.exit(main())

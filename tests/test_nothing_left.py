@@ -168,3 +168,32 @@ def test_a_benchmark_stopped_with_kill_stops_the_simulation_it_started(tmp_path:
     # Assert: the child's whole group ended with it
     time.sleep(0.5)
     assert [pid for pid in tree if not process_gone(pid)] == []
+
+
+def test_a_benchmark_command_past_its_timeout_is_stopped_with_its_whole_group(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a "simulation" whose children outlive it unless its group is stopped
+    # (as the SuperLink outlives `flwr run`); subprocess.run's timeout kills bash alone
+    from benchmarks.harness import run_in_group
+
+    pids = tmp_path / "pids"
+    script = f"sleep 300 & sleep 300 & echo $$ $(jobs -p) > {pids}; wait"
+
+    # Execute
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_in_group(["bash", "-c", script], timeout=2.0)
+
+    # Assert: the script and both children ended, by process id
+    tree = [int(pid) for pid in pids.read_text().split()]
+    assert len(tree) == 3
+    time.sleep(0.5)
+    assert [pid for pid in tree if not process_gone(pid)] == []
+
+
+def test_a_benchmark_command_in_its_group_returns_its_output_and_status() -> None:
+    from benchmarks.harness import run_in_group
+
+    done = run_in_group(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout=30.0)
+
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
