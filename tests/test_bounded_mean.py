@@ -14,6 +14,7 @@ import pytest
 
 import strategies.core.aggregators as aggregators
 import strategies.core.fused as fused
+import strategies.core.mean as mean_module
 import strategies.core.measure as measure
 from strategies.core.aggregation import AggregationError
 from strategies.core.mean import MeanAccumulator
@@ -157,6 +158,46 @@ def test_ceiling_bounds_a_node_alone_in_its_first_round() -> None:
     # Assert: clipped to 2 x 5 = 10 from the global model: (3, 4) + 10 (0.6, 0.8)
     np.testing.assert_allclose(out, [9.0, 12.0], rtol=1e-5)
     assert acc.report().medians == {"parameters": pytest.approx(10.0)}
+
+
+def test_a_first_round_holds_at_most_the_buffer_and_streams_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: a buffer of 4; reference (0, 0); updates along the first axis at
+    # distances 1, 2, 3, 4, then 10, each of weight 1; no scale yet (a first round)
+    monkeypatch.setattr(mean_module, "FIRST_ROUND_BUFFER", 4)
+    acc = MeanAccumulator(vec(0.0, 0.0), clip_factor=1.0)
+
+    # Execute
+    held = []
+    for d in (1.0, 2.0, 3.0, 4.0, 10.0):
+        acc.add(vec(d, 0.0), 1.0)
+        held.append(len(acc._buffer))
+    out = acc.result()["w"]
+
+    # Assert: the fourth update folds the four against their lower median, 2 (so 3
+    # and 4 are clipped to 2); the fifth streams against that scale, 1 x 2, and is
+    # clipped to 2 too: (1 + 2 + 2 + 2 + 2) / 5 = 1.8. Holding all five would have
+    # bounded them by their lower median, 3: (1 + 2 + 3 + 3 + 3) / 5 = 2.4
+    assert held == [1, 2, 3, 0, 0]
+    np.testing.assert_allclose(out, [1.8, 0.0], rtol=1e-6)
+    clips = acc.report().clips
+    assert [(c.position, c.distance, c.bound) for c in clips] == [
+        (2, pytest.approx(3.0), pytest.approx(2.0)),
+        (3, pytest.approx(4.0), pytest.approx(2.0)),
+        (4, pytest.approx(10.0), pytest.approx(2.0)),
+    ]
+    # the next scale: the lower median of what was accepted (1, 2, 2, 2 and the
+    # streamed one's evidence, at most growth 2 x its bound: 4) = 2
+    assert acc.report().medians == {"parameters": pytest.approx(2.0)}
+
+
+def test_a_first_round_within_the_buffer_is_bounded_as_if_all_were_held() -> None:
+    # the same five updates with the default buffer (32): their own lower median, 3
+    acc = MeanAccumulator(vec(0.0, 0.0), clip_factor=1.0)
+    for d in (1.0, 2.0, 3.0, 4.0, 10.0):
+        acc.add(vec(d, 0.0), 1.0)
+    np.testing.assert_allclose(acc.result()["w"], [2.4, 0.0], rtol=1e-6)
 
 
 def test_ceiling_caps_the_streaming_bound() -> None:

@@ -48,6 +48,14 @@ from strategies.core.sums import (
 __all__ = ["MeanAccumulator", "MeanAggregator", "parse_scale_key"]
 
 
+FIRST_ROUND_BUFFER = 32
+"""The most updates a bounded ``mean`` holds while a model has no scale yet (its first
+round). The first this many are clipped against their own lower median (and the
+ceiling) and folded, that median becomes the round's scale, and every later update of
+the round streams against it as in any other round: the server's memory in a first
+round is this many models, not one per node. A federation of this many nodes or fewer
+is bounded exactly as if every update were held."""
+
 _Buffered = tuple[int, Checked, float, dict[str, float], float | None, dict[str, int], float]
 """A buffered update: position, entries, weight, distances, cosine, covered sizes, stretch."""
 
@@ -157,7 +165,10 @@ class MeanAccumulator:
 
     When the model has no scale yet (its first round) the round's updates are kept
     until :meth:`result`, which clips them against ``clip_factor`` times this
-    round's own lower median (and the ceiling); otherwise each update is measured
+    round's own lower median (and the ceiling), or until :data:`FIRST_ROUND_BUFFER`
+    are kept, which are folded so and whose median becomes the scale the rest of
+    the round streams against (the memory stays that many models, whatever the
+    number of nodes); otherwise each update is measured
     and folded as it arrives (:meth:`_stream`): one pass that computes the
     distance block by block and folds each block while the running distance is
     within the bound, and a correction for the blocks already folded when it is
@@ -312,6 +323,9 @@ class MeanAccumulator:
         if any(b is None for b in bounds.values()):
             distances, cosine = self._measure(checked, own)
             self._buffer.append((position, checked, w, distances, cosine, covered, s))
+            if len(self._buffer) >= FIRST_ROUND_BUFFER:
+                self._flush()  # a scale from the first ones; the rest stream against it
+                self.scales.adopt()
             return
         self._stream_or_hold(
             _Streamed(

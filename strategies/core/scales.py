@@ -388,6 +388,20 @@ class ScaleBook:
                 out[kind] = tuple(d / norm for d in distances)
         return out
 
+    def adopt(self) -> None:
+        """Stream the rest of a first round against the scales it has accepted so far.
+
+        :meth:`medians` of the updates accepted so far (their lower medians; a
+        model's first round has no previous scale) become :attr:`previous`, as if a
+        round had ended: later updates get a :meth:`bound` and are folded as they
+        arrive, their evidence is capped at ``growth`` x their bound, and the round's
+        final scale moves at most ``growth`` from these. Nothing changes unless every
+        scale is finite and positive (the updates stay held).
+        """
+        scales = self.medians()
+        if scales and all(math.isfinite(d) and d > 0 for d in scales.values()):
+            self.previous = scales
+
     def medians(self) -> dict[str, float]:
         """Return the next round's scale per key.
 
