@@ -423,6 +423,28 @@ def measure_bounded_memory(params: int, updates: int) -> Memory:
     )
 
 
+def measure_first_round_memory(params: int, updates: int) -> Memory:
+    """Peak of the default bounded ``mean`` in a model's first round (no scale yet).
+
+    It holds at most :data:`strategies.core.mean.FIRST_ROUND_BUFFER` updates, whose
+    lower median becomes the scale the others stream against: the peak is that many
+    models (plus the sums), however many updates the round brings.
+    """
+    shapes = model_shapes(params)
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+
+    def run() -> None:
+        accumulator = MeanAggregator(clip_factor=BOUND_FACTOR).accumulator(reference)
+        for seed in range(updates):
+            update = make_update(shapes, seed)
+            accumulator.add(update, float(1 + seed % 9))
+            del update
+        accumulator.result()
+
+    peak = traced_peak(run)
+    return Memory("mean, bounded (default), first round", updates, peak, model_bytes(reference))
+
+
 def measure_buffered_memory(params: int, updates: int) -> Memory:
     """Peak of the buffered ``weighted_average`` given the updates in a list."""
     shapes = model_shapes(params)
@@ -645,6 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     memories = [
         measure_mean_memory(args.params, args.memory_updates),
         measure_bounded_memory(args.params, args.memory_updates),
+        *(
+            measure_first_round_memory(args.params, n)
+            for n in sorted({args.buffered_updates, args.memory_updates})
+        ),
         measure_buffered_memory(args.params, args.buffered_updates),
         *(measure_fedfa_memory(args.fedfa_params, c) for c in args.fedfa_clients),
     ]

@@ -63,7 +63,7 @@ def test_a_tiny_run_writes_the_table(bench: ModuleType, tmp_path: Path) -> None:
     # Execute
     code = bench.main(
         [
-            "--params", "20000", "--clients", "4", "--memory-updates", "30",
+            "--params", "20000", "--clients", "4", "--memory-updates", "100",
             "--buffered-updates", "10", "--fedfa-clients", "4,12",
             "--fedfa-params", "20000", "--repeats", "1", "--out", str(tmp_path),
         ]
@@ -81,8 +81,12 @@ def test_a_tiny_run_writes_the_table(bench: ModuleType, tmp_path: Path) -> None:
         and cells[2].isdigit()
     }
     # float64 sums (2 models of float32) + the update alive + the float32 result
-    assert rows[("mean, streaming", 30)] < 4.2
+    assert rows[("mean, streaming", 100)] < 4.2
     assert rows[("weighted_average, buffered", 10)] > 10.0  # every update held, float64
+    # a first round holds the updates until FIRST_ROUND_BUFFER (32) arrived, then streams:
+    # 10 updates -> the 10 held and the sums; 100 -> the 32 held and the sums, not 100
+    assert 10.0 < rows[("mean, bounded (default), first round", 10)] < 16.0
+    assert 32.0 < rows[("mean, bounded (default), first round", 100)] < 38.0
     assert rows[("FedFA scalable, streaming", 12)] < 1.2 * rows[("FedFA scalable, streaming", 4)]
 
 
