@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:
 import strategies.core.robust  # noqa: E402,F401  (registers the robust aggregators)
 from strategies.core import fused  # noqa: E402
 from strategies.core.aggregators import (  # noqa: E402
+    Accumulator,
     AccumulatorReport,
     AggregatorSettings,
     Index,
@@ -379,20 +380,31 @@ def traced_peak(run: Callable[[], object]) -> int:
         tracemalloc.stop()
 
 
-def measure_mean_memory(params: int, updates: int) -> Memory:
-    """Peak while folding ``updates`` updates generated one at a time (module docstring)."""
-    shapes = model_shapes(params)
-    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+def streamed_peak(
+    shapes: Mapping[str, tuple[int, ...]], updates: int, accumulator: Callable[[], Accumulator]
+) -> int:
+    """Peak traced while ``accumulator()`` folds ``updates`` updates generated one at a time."""
 
     def run() -> None:
-        accumulator = MeanAggregator().accumulator(reference)
+        acc = accumulator()
         for seed in range(updates):
             update = make_update(shapes, seed)  # a reply arrives ...
-            accumulator.add(update, float(1 + seed % 9))
+            acc.add(update, float(1 + seed % 9))
             del update  # ... and is dropped once folded
-        accumulator.result()
+        acc.result()
 
-    peak = traced_peak(run)
+    return traced_peak(run)
+
+
+def measure_mean_memory(params: int, updates: int) -> Memory:
+    """Peak while folding ``updates`` updates generated one at a time (module docstring).
+
+    It folds them in pairs (:meth:`strategies.core.mean.MeanAccumulator.add`), so one
+    update waits for the next.
+    """
+    shapes = model_shapes(params)
+    reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    peak = streamed_peak(shapes, updates, lambda: MeanAggregator().accumulator(reference))
     return Memory("mean, streaming", updates, peak, model_bytes(reference))
 
 
@@ -400,24 +412,14 @@ def measure_bounded_memory(params: int, updates: int) -> Memory:
     """Peak of the default bounded ``mean`` (bound known) on updates generated one at a time.
 
     It folds the updates in pairs (:meth:`strategies.core.mean.MeanAccumulator.add`),
-    so one update waits for the next: one model more than the plain mean.
+    so one update waits for the next, as in the plain mean.
     """
     shapes = model_shapes(params)
     reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     # a standard normal update is about sqrt(params) from zero: about half are clipped
     previous = AccumulatorReport(medians={"parameters": float(np.sqrt(params))})
-
-    def run() -> None:
-        accumulator = MeanAggregator(clip_factor=BOUND_FACTOR).accumulator(
-            reference, previous=previous
-        )
-        for seed in range(updates):
-            update = make_update(shapes, seed)
-            accumulator.add(update, float(1 + seed % 9))
-            del update
-        accumulator.result()
-
-    peak = traced_peak(run)
+    bounded = MeanAggregator(clip_factor=BOUND_FACTOR)
+    peak = streamed_peak(shapes, updates, lambda: bounded.accumulator(reference, previous=previous))
     return Memory(
         "mean, bounded (default), streaming in pairs", updates, peak, model_bytes(reference)
     )
@@ -432,16 +434,8 @@ def measure_first_round_memory(params: int, updates: int) -> Memory:
     """
     shapes = model_shapes(params)
     reference = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-
-    def run() -> None:
-        accumulator = MeanAggregator(clip_factor=BOUND_FACTOR).accumulator(reference)
-        for seed in range(updates):
-            update = make_update(shapes, seed)
-            accumulator.add(update, float(1 + seed % 9))
-            del update
-        accumulator.result()
-
-    peak = traced_peak(run)
+    bounded = MeanAggregator(clip_factor=BOUND_FACTOR)
+    peak = streamed_peak(shapes, updates, lambda: bounded.accumulator(reference))
     return Memory("mean, bounded (default), first round", updates, peak, model_bytes(reference))
 
 
