@@ -396,7 +396,7 @@ class ScaleBook:
         round had ended: later updates get a :meth:`bound` and are folded as they
         arrive, their evidence is capped at ``growth`` x their bound, and the round's
         final scale moves at most ``growth`` from these. Nothing changes unless every
-        scale is finite and positive (the updates stay held).
+        scale is finite and positive (later updates are then held again, as before).
         """
         scales = self.medians()
         if scales and all(math.isfinite(d) and d > 0 for d in scales.values()):
