@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -259,8 +260,6 @@ def run_in_group(
     subprocess.TimeoutExpired
         If ``cmd`` ran past ``timeout`` seconds (its group is stopped first).
     """
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             list(cmd),

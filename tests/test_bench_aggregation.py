@@ -80,7 +80,8 @@ def test_a_tiny_run_writes_the_table(bench: ModuleType, tmp_path: Path) -> None:
         and len(cells) == 6
         and cells[2].isdigit()
     }
-    # float64 sums (2 models of float32) + the update alive + the float32 result
+    # float64 sums (2 models of float32) + the update alive and the one waiting for its
+    # pair (the plain mean folds in pairs); the float32 result reuses the sums
     assert rows[("mean, streaming", 100)] < 4.2
     assert rows[("weighted_average, buffered", 10)] > 10.0  # every update held, float64
     # a first round holds the updates until FIRST_ROUND_BUFFER (32) arrived, then streams:
