@@ -8,8 +8,9 @@ what its reply's ``test-accuracy`` measures on its own test split:
 ``none``
     The model it trained this round and sent (no wrapper).
 ``finetune``
-    A copy of that model trained ``personalise-epochs`` more epochs with
-    cross-entropy; the copy is not sent and not kept.
+    A copy of the model the server sent, trained ``personalise-epochs`` epochs with
+    cross-entropy (beside the training of the reply, not after it); the copy is not
+    sent and not kept.
 ``ditto`` (Li et al., ICML 2021)
     A personal model ``v`` kept in node state, trained every round for
     ``local-epochs`` epochs on ``CE(v) + ditto-lambda / 2 * ||v - w||^2``, ``w`` the
@@ -180,14 +181,7 @@ class PersonalisedClient(ClientWrapper[Any]):
             return records
         records = self.inner.finish_round(model, rnd, outcome, state)
         if self.config.mode == "finetune":
-            personal = copy.deepcopy(model)
-            train_model(
-                personal,
-                self._data(self._train),
-                optim=self._optim(self.config.epochs),
-                device=outcome.device,
-                seed=_draw_seed(),
-            )
+            personal = self._finetuned(model, outcome)
         else:
             personal = self._train_ditto(model, rnd, outcome, state)
             self._personal = personal
@@ -261,6 +255,24 @@ class PersonalisedClient(ClientWrapper[Any]):
                 raise RuntimeError(f"the reply's head entry '{name}' was not received")
             arrays[name] = self._received[name].cpu().numpy()
         return wire.numpy_to_record(arrays)
+
+    def _finetuned(self, model: nn.Module, outcome: RoundOutcome) -> nn.Module:
+        """Return the received model trained ``personalise-epochs`` epochs on the node's data.
+
+        It starts from the weights the server sent, as fine-tuning a federated model
+        does in the papers, not from the model the node trained for its reply: that
+        one has drifted towards the node's own labels for ``local-epochs`` already.
+        """
+        personal = copy.deepcopy(model)
+        personal.load_state_dict(self._received)
+        train_model(
+            personal,
+            self._data(self._train),
+            optim=self._optim(self.config.epochs),
+            device=outcome.device,
+            seed=_draw_seed(),
+        )
+        return personal
 
     def _train_ditto(
         self, model: nn.Module, rnd: RoundInput, outcome: RoundOutcome, state: NodeState

@@ -26,10 +26,12 @@ from client_app.personalise import (
     head_names,
 )
 from strategies import resolve_run
-from strategies.core.client import ClientAlgorithm
+from strategies.core.client import ClientAlgorithm, RoundOutcome
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
+from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
+from tessera.training import TrainStats
 from tests.conftest import install_fast_clients, memory_state, round_input, torch_threads
 from tests.test_prototypes import THREE_ARCHS
 from tests.test_strategies import Federation, run_federation
@@ -79,6 +81,39 @@ def test_head_names_are_the_linear_heads_entries() -> None:
         "head.weight",
         "head.bias",
     ]
+
+
+def test_finetune_starts_from_the_received_model_not_the_trained_one(
+    default_run_config: dict[str, Any],
+) -> None:
+    # Prepare: a node receives w = 3 everywhere and trains it to 5 for its reply; its
+    # data are all x = 0, so cross-entropy has no gradient on the weights and a
+    # fine-tuned copy ends exactly where it started
+    run = RunConfig.from_flower({**default_run_config, "personalise": "finetune"})
+    client = PersonalisedClient(ClientAlgorithm(run=run, options=None), run.personalise)
+    data = ArrayDataset(np.zeros((4, 1), np.float32), np.array([0, 1, 0, 1]))
+    client.prepare_data(data, data)
+    model = nn.Linear(1, 2, bias=False)
+    sent = {"weight": torch.full((2, 1), 3.0)}
+    rnd = round_input(RecordDict({wire.ARRAYS: wire.state_to_record(sent)}))
+    client.load_weights(model, rnd, memory_state())
+    with torch.no_grad():
+        model.weight.fill_(5.0)  # the reply's local training
+    outcome = RoundOutcome(
+        stats=TrainStats(loss=0.0, seconds=0.0, num_examples=4, steps=1),
+        test_loss=0.0,
+        test_accuracy=0.5,
+        num_test=4,
+        train=data,
+        device=torch.device("cpu"),
+    )
+
+    # Execute
+    personal = client._finetuned(model, outcome)
+
+    # Assert: the personal copy is the received weights; the reply's model is untouched
+    torch.testing.assert_close(personal.weight, torch.full((2, 1), 3.0))
+    torch.testing.assert_close(model.weight, torch.full((2, 1), 5.0))
 
 
 # ----------------------------------------------------------------------- config

@@ -395,13 +395,13 @@ class PersonaliseConfig(Group):
     Attributes
     ----------
     mode : Personalise
-        ``none``: the node's model is the one it trained and sent; ``finetune``: a
-        copy of it trained :attr:`epochs` more epochs; ``ditto``: a personal model
-        kept in node state, trained towards the received weights with
+        ``none``: the node's model is the one it trained and sent; ``finetune``:
+        a copy of the received model trained :attr:`epochs` epochs; ``ditto``: a
+        personal model kept in node state, trained towards the received weights with
         :attr:`ditto_lambda`; ``rep``: the received body under a personal head kept
         in node state (the head trained :attr:`epochs` epochs first, the body then).
     epochs : int
-        ``finetune``'s extra epochs and ``rep``'s head epochs.
+        ``finetune``'s epochs and ``rep``'s head epochs.
     ditto_lambda : float
         Ditto's weight of ``lambda/2 * ||v - w||^2`` (``ditto-lambda``).
     """
