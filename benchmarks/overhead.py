@@ -327,6 +327,27 @@ def summarise(records: list[list[dict[str, Any]]]) -> dict[str, float]:
     }
 
 
+def repeat_spread(records: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each repeat's mean overhead over rounds >= 2, and their median, min and max.
+
+    One repeat's figure moves by more than a second on a loaded 2-core machine, so a
+    goal is read from the median of several, with their range beside it.
+    """
+    per_repeat = [
+        statistics.mean(r["overhead_seconds"] for r in run if r["round"] >= 2)
+        for run in records
+        if any(r["round"] >= 2 for r in run)
+    ]
+    if not per_repeat:
+        raise ValueError("no repeat measured a round after the first; run --rounds 2 or more")
+    return {
+        "per_repeat": per_repeat,
+        "median": statistics.median(per_repeat),
+        "min": min(per_repeat),
+        "max": max(per_repeat),
+    }
+
+
 PHASE_ORDER = ("queued", "start", "data", "model", "train", "evaluate", "reply", "return")
 """The phases of a node's round (:mod:`tessera.phases`), in order."""
 
@@ -412,6 +433,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     phases: dict[str, dict[str, float]] = {}
+    spreads: dict[str, dict[str, Any]] = {}
     for mode in modes:
         runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in SCHEMES}
         for rep in range(args.repeats):
@@ -429,6 +451,7 @@ def main() -> int:
                 )
         results[mode] = {s: summarise(r) for s, r in runs.items()}
         phases[mode] = mean_client_phases(runs["fedavg"])
+        spreads[mode] = repeat_spread(runs["fedavg"])
     print(
         f"\nFramework overhead per round ({args.nodes} nodes, {args.arch}, digits, "
         f"rounds 2..{args.rounds}, {args.repeats} repeats, alternating)"
@@ -460,6 +483,12 @@ def main() -> int:
             f"\nTessera's round on its own processes ({ours_mode}) / Flower's FedAvg.start "
             f"on Flower's own ({stock_mode}): {ours:.2f} / {stock:.2f} s = "
             f"{ours / stock:.2f} (target <= 0.25)"
+        )
+    for mode, spread in spreads.items():
+        values = ", ".join(f"{v:.2f}" for v in spread["per_repeat"])
+        print(
+            f"\nTessera's overhead per repeat ({mode}): {values} s; median "
+            f"{spread['median']:.2f} (range {spread['min']:.2f}-{spread['max']:.2f})"
         )
     print(
         "\nWhere a node's round goes in Tessera's loop (mean seconds per node and round, "

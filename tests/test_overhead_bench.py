@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.overhead import against_stock_flower, docker_memory_mb, pss_mb
+import pytest
+
+from benchmarks.overhead import against_stock_flower, docker_memory_mb, pss_mb, repeat_spread
 
 
 def _process(root: Path, pid: int, environ: bytes, pss_kb: int | None) -> None:
@@ -63,3 +65,20 @@ def test_tessera_s_round_is_set_against_flower_s_on_flower_s_own_processes() -> 
 
     # Assert: Tessera's fedavg on its processes against Flower's loop on Flower's
     assert ratios == {"compose-against-stock-flower": ("compose", "compose-flower", 2.5, 20.0)}
+
+
+def test_the_repeat_spread_is_each_repeat_s_mean_after_round_one_by_hand() -> None:
+    # Prepare: three repeats; round 1 (the handshake's) never counts
+    def run(*overheads: float) -> list[dict[str, float]]:
+        return [{"round": i + 1, "overhead_seconds": o} for i, o in enumerate(overheads)]
+
+    records = [run(9.0, 1.0, 2.0), run(9.0, 3.0, 3.0), run(9.0, 1.0, 1.0)]
+
+    # Execute
+    spread = repeat_spread(records)
+
+    # Assert: the repeats' means are 1.5, 3.0 and 1.0 s
+    assert spread["per_repeat"] == [1.5, 3.0, 1.0]
+    assert (spread["median"], spread["min"], spread["max"]) == (1.5, 1.0, 3.0)
+    with pytest.raises(ValueError, match="--rounds 2"):
+        repeat_spread([run(9.0)])
