@@ -497,8 +497,13 @@ done
 mkdir -p "$output_dir"
 log "flwr run: $num_rounds round(s), results in $results"
 run_started=$SECONDS
+# flwr run builds the app from every file under the folder it is given: hand it the
+# publishable files alone (tessera/app_stage.py: the same FAB, byte for byte), not a
+# checkout whose .venv holds 80,000 files to walk (6-7 s).
+(cd "$TESSERA_ROOT" && "$py" -m tessera.app_stage "$TESSERA_ROOT" "$workdir/app" >/dev/null) \
+    || fail "could not stage the app from $TESSERA_ROOT into $workdir/app"
 start_group "$logs/flwr-run.log" \
-    flwr run "$TESSERA_ROOT" tessera-local --stream --run-config "$run_config"
+    flwr run "$workdir/app" tessera-local --stream --run-config "$run_config"
 run_pid="$last_pgid"
 # Mirror the streamed run log to the terminal while waiting.
 tail -n +1 -f "$logs/flwr-run.log" >&2 &

@@ -63,7 +63,12 @@ export FLWR_HOME="${FLWR_HOME_SIM:-$ROOT/.flwr-home}"
 mkdir -p "$FLWR_HOME"
 FLWR_LOCAL_CONTROL_API_PORT="$(free_port)"
 export FLWR_LOCAL_CONTROL_API_PORT
-trap 'stop_local_superlink "$FLWR_HOME"' EXIT INT TERM
+# `flwr run` builds the app from what it finds under the folder it is given: stage
+# the publishable files in a folder of their own (tessera/app_stage.py; the same FAB,
+# byte for byte) so that it does not walk .venv's 80,000 files (6-7 s) every run.
+APP_DIR="$(mktemp -d "$FLWR_HOME/app.XXXXXX")"
+trap 'stop_local_superlink "$FLWR_HOME"; rm -rf "$APP_DIR"' EXIT INT TERM
+python -m tessera.app_stage "$ROOT" "$APP_DIR" >/dev/null
 # Flower's Ray backend calls ray.init() in flwr-simulation, which the SuperLink
 # starts with this environment: RAY_ADDRESS makes it join that cluster (and leave
 # it running at the end) instead of starting a Ray of its own.
@@ -77,7 +82,7 @@ fi
 LOG="$FLWR_HOME/$RUN_NAME.log"
 run_flower() {
     set +e
-    "${TESSERA_FLWR:-flwr}" run . --stream \
+    "${TESSERA_FLWR:-flwr}" run "$APP_DIR" --stream \
         --federation-config "num-supernodes=$NODES client-resources-num-cpus=1 client-resources-num-gpus=$GPUS" \
         --run-config "$RUN_CONFIG output-dir='$OUTPUT_DIR' run-name='$RUN_NAME'" 2>&1 | tee "$LOG"
     set -e
