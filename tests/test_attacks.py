@@ -80,12 +80,47 @@ def test_clip_factor_zero_is_the_plain_weighted_mean() -> None:
     assert acc.report().clips == ()
 
 
-def test_free_riders_do_not_zero_the_bound() -> None:
-    # two nodes send the global model back (distance 0); the bound comes from the others
+def test_free_riders_do_not_zero_the_bound_and_weigh_nothing() -> None:
+    # two nodes send the global model back (distance 0): dropped as unmoved, so the
+    # bound comes from the others (lower median 1, x 2) and 3 is clipped to 2; the
+    # mean is over the two that moved, (1 + 2) / 2, not (0 + 0 + 1 + 2) / 4
     acc = MeanAccumulator(vec(0.0), clip_factor=2.0)
     for value in (0.0, 0.0, 1.0, 3.0):
         acc.add(vec(value), 1.0)
-    np.testing.assert_allclose(acc.result()["w"], [(0.0 + 0.0 + 1.0 + 2.0) / 4])
+    np.testing.assert_allclose(acc.result()["w"], [(1.0 + 2.0) / 2])
+    kinds = [(c.position, c.kind) for c in acc.report().clips]
+    assert kinds == [(0, "unmoved"), (1, "unmoved"), (3, "parameters")]
+
+
+def test_a_free_rider_streamed_against_a_known_scale_weighs_nothing() -> None:
+    # a later round (a scale of 1 from the last one): the updates stream; the unmoved
+    # one is taken back out, the two others (distances 0.5 and 1) are within the bound
+    acc = MeanAccumulator(vec(0.0), clip_factor=1.0, previous={"parameters": 1.0})
+    for value in (0.5, 0.0, 1.0):
+        acc.add(vec(value), 2.0)
+    np.testing.assert_allclose(acc.result()["w"], [(0.5 + 1.0) / 2])
+    assert [(c.position, c.kind) for c in acc.report().clips] == [(1, "unmoved")]
+
+
+def test_a_group_logs_the_free_rider_it_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    bounded = type(get_aggregator("mean"))(clip_factor=1.0)  # type: ignore[call-arg]
+    models = GroupModels(bounded, lambda arch: vec(0.0, 0.0))
+    rnd = GroupRound()
+    models.fold(rnd, "a", vec(0.0, 0.0), 1.0, node=7)  # the global model, sent back
+    models.fold(rnd, "a", vec(1.0, 1.0), 1.0, node=8)
+    with caplog.at_level("WARNING"):
+        done = models.commit(rnd)
+    assert [(c["node"], c["kind"]) for c in done.clips] == [(7, "unmoved")]
+    assert "node 7: update of 'a' dropped: its learned parameters are the global" in caplog.text
+    np.testing.assert_allclose(models.arrays["a"]["w"], [1.0, 1.0])
+
+
+def test_the_plain_mean_still_counts_a_free_rider() -> None:
+    # clip-factor 0 is the plain weighted mean, free-riders included
+    acc = MeanAccumulator(vec(0.0), clip_factor=0.0)
+    for value in (0.0, 1.0):
+        acc.add(vec(value), 1.0)
+    np.testing.assert_allclose(acc.result()["w"], [0.5])
 
 
 def test_partial_updates_are_clipped_on_what_they_cover() -> None:

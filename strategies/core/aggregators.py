@@ -184,6 +184,14 @@ DIRECTION = "direction"
 """The :class:`Clip` kind of an update dropped by the direction check: its ``distance``
 is the update's cosine with the server's own update, its ``bound`` the threshold."""
 
+UNMOVED = "unmoved"
+"""The :class:`Clip` kind of an update a bounded ``mean`` drops because its learned
+parameters are exactly the global model's (a free-rider, or a node whose training
+did not run): it would only dilute the others' steps. ``distance`` and ``bound`` 0."""
+
+DROPPED = frozenset({DIRECTION, UNMOVED})
+"""The :class:`Clip` kinds that drop an update whole (the others scale it down)."""
+
 
 DEFAULT_GROWTH = 2.0
 """Largest factor a bounded ``mean``'s scale may move between rounds (``bound-growth``)."""

@@ -24,6 +24,8 @@ from flwr.app import RecordDict
 from strategies.core.aggregators import (
     DEFAULT_GROWTH,
     DIRECTION,
+    DROPPED,
+    UNMOVED,
     Accumulator,
     AccumulatorReport,
     Aggregator,
@@ -307,6 +309,14 @@ class GroupModels:
                         "bound": clip.bound,
                     }
                 )
+                if clip.kind == UNMOVED:
+                    log.warning(
+                        "node %s: update of '%s' dropped: its learned parameters are the "
+                        "global model's, unchanged (it trained nothing)",
+                        node,
+                        arch,
+                    )
+                    continue
                 if clip.kind == DIRECTION:
                     log.warning(
                         "node %s: update of '%s' dropped: its cosine with the server's own "
@@ -328,7 +338,7 @@ class GroupModels:
                     clip.bound,
                     self.aggregator.name,
                 )
-            clipped_nodes = {c.position for c in report.clips if c.kind != DIRECTION}
+            clipped_nodes = {c.position for c in report.clips if c.kind not in DROPPED}
             if clipped_nodes:
                 log.info(
                     "'%s': %d of %d update(s) clipped to the bound (aggregator '%s'; "

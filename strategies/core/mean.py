@@ -25,6 +25,7 @@ from strategies.core.aggregation import AggregationError
 from strategies.core.aggregators import (
     DEFAULT_GROWTH,
     DIRECTION,
+    UNMOVED,
     Accumulator,
     AccumulatorReport,
     Clip,
@@ -362,8 +363,17 @@ class MeanAccumulator:
         distances = {kind: math.sqrt(square) for kind, square in squares.items()}
         return distances, self.check.cosine(dot, distances, norm2)
 
-    def _refused(self, position: int, cosine: float | None) -> bool:
-        """Return whether the direction check drops the update (and record it)."""
+    def _refused(self, position: int, cosine: float | None, distances: Mapping[str, float]) -> bool:
+        """Return whether the update is dropped whole (and record why).
+
+        An update whose learned parameters did not move at all (distance exactly 0)
+        is dropped as :data:`UNMOVED`: it carries no step, only a weight that would
+        shrink every other node's step (a free-rider in a group of two halves its
+        partner's). Otherwise the direction check decides (:data:`DIRECTION`).
+        """
+        if distances.get("parameters", -1.0) == 0.0:
+            self._clips.append(Clip(position, UNMOVED, 0.0, 0.0))
+            return True
         if cosine is None or cosine > self.check.threshold:
             return False
         self._clips.append(Clip(position, DIRECTION, cosine, self.check.threshold))
@@ -553,7 +563,8 @@ class MeanAccumulator:
         position, checked, w = streamed.position, streamed.checked, streamed.w
         folded = measured.folded
         distances = {kind: math.sqrt(s) for kind, s in measured.squares.items()}
-        if self._refused(position, self.check.cosine(measured.dot, distances, measured.norm2)):
+        cosine = self.check.cosine(measured.dot, distances, measured.norm2)
+        if self._refused(position, cosine, distances):
             for key, (value, where) in checked.items():  # take back what went in
                 if not is_floating(value):
                     self._sums.add(key, value, -w, where)
@@ -610,7 +621,7 @@ class MeanAccumulator:
         # the bounds from every measured update's size, the folds from those the
         # direction check keeps (see the class docstring)
         bounds = self.scales.round_bounds([(item[3], item[5], item[6]) for item in self._buffer])
-        refused = [self._refused(item[0], item[4]) for item in self._buffer]
+        refused = [self._refused(item[0], item[4], item[3]) for item in self._buffer]
         for (position, checked, w, distances, _, covered, s), own_bounds, dropped in zip(
             self._buffer, bounds, refused, strict=True
         ):
