@@ -158,6 +158,13 @@ class MeanAccumulator:
       kind: the whole cohort's lower median distance relative to a model's norm,
       so that a node in a group of two or three cannot pick its group's bound.
 
+    A bounded mean also drops an update whose learned parameters are exactly the
+    reference's (distance 0: a free-rider, or a node whose training did not run),
+    recorded as a :class:`Clip` of kind :data:`~strategies.core.aggregators.UNMOVED`:
+    it carries no step, and its weight would only shrink every other update's (in
+    a group of two, its partner's by half). The plain mean (``clip_factor=0``)
+    counts it as any other.
+
     With run-config ``bound-stretch`` (off by default), each update's bound from
     the scale is stretched by its share of the round's examples (``stretch`` in
     :meth:`add`, :func:`~strategies.core.validation.bound_stretch`): a node that
