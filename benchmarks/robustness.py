@@ -331,6 +331,8 @@ def cell_run_config(
             config["server-trust"] = False
         config["knowledge-clip-factor"] = 0.0
         config["weight-trim"] = 0.0  # weight-cap's median bound stays, as before the cut
+        # the declared weight-cap (2), not fedavg-groups' own 1: the plain weighted mean
+        config["scheme-defaults"] = False
     elif name in ABLATIONS:
         rule = "mean"
         config.update(ABLATIONS[name])

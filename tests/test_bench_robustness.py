@@ -63,6 +63,30 @@ def test_run_configs_size_the_defences_to_the_attack(bench: ModuleType, tmp_path
     assert (c["weight-cap"], c["weight-trim"], a["weight-trim"]) == (2.0, 0.0, 0.2)
 
 
+def test_the_plain_mean_keeps_the_declared_weight_cap_where_a_scheme_owns_another(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    # Prepare: fedavg-groups owns weight-cap=1; its default and its plain mean
+    from strategies.core.registry import resolve_run
+
+    cells = {
+        name: bench.Cell("fedavg-groups", "dirichlet", 0, "clean", 0.0, name)
+        for name in ("mean", "mean-unbounded", "mean-common")
+    }
+
+    # Execute: the cap each run reads once the scheme's defaults are applied
+    caps = {
+        name: resolve_run(
+            bench.cell_run_config(cell, nodes=5, rounds=1, local_epochs=1, output_dir=tmp_path)
+        ).run.aggregation.weight_cap
+        for name, cell in cells.items()
+    }
+
+    # Assert: the default weighs no node above the median claim; the plain weighted
+    # mean and the default without the scheme's own keys keep the declared 2
+    assert caps == {"mean": 1.0, "mean-unbounded": 2.0, "mean-common": 2.0}
+
+
 def test_the_local_grid_counts_as_simulation() -> None:
     grid = make_grid({"seed": 0}, 2, {})
     assert isinstance(grid, LocalGrid) and grid.simulation is True

@@ -59,6 +59,33 @@ def test_a_scheme_s_own_default_replaces_the_declared_one_only_when_left_unset(
     assert left.clip_factor == others.clip_factor == 1.0
 
 
+def test_fedavg_groups_weighs_no_node_above_the_median_claim_unless_told(
+    default_run_config: dict[str, Any],
+) -> None:
+    # Prepare: fedavg-groups owns weight-cap (1); fedavg keeps the declared 2
+    from strategies.core.registry import resolve_run
+    from strategies.core.validation import weight_caps
+
+    groups = {**default_run_config, "strategy": "fedavg-groups"}
+    fedavg = {**default_run_config, "strategy": "fedavg"}
+
+    # Execute
+    left = resolve_run(groups).run.aggregation
+    set_to_3 = resolve_run({**groups, "weight-cap": 3.0}).run.aggregation
+    declared = resolve_run({**groups, "scheme-defaults": False}).run.aggregation
+    others = resolve_run(fedavg).run.aggregation
+
+    # Assert: the declared 2 reads as 1 for fedavg-groups only; a liar claiming 900
+    # among claims of 100, 120, 90, 110 weighs the median claim, 110, not 220
+    assert default_run_config["weight-cap"] == 2.0
+    assert left.weight_cap == 1.0
+    assert set_to_3.weight_cap == 3.0
+    assert declared.weight_cap == others.weight_cap == 2.0
+    claims = {1: 100, 2: 120, 3: 90, 4: 110, 5: 900}
+    assert weight_caps(claims, left.weight_cap)[5] == 110
+    assert weight_caps(claims, others.weight_cap)[5] == 220
+
+
 @pytest.mark.parametrize("name", list_schemes())
 def test_a_scheme_owns_only_declared_keys_with_valid_values(
     name: str, default_run_config: dict[str, Any]
