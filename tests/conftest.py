@@ -213,17 +213,38 @@ def single_thread_torch() -> Iterator[None]:
         yield
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the shared Ray head (if a simulation started it); fail if any of it remains."""
+    from tests.ray_nodes import stop_shared_head
+
+    try:
+        left = stop_shared_head()
+    except AssertionError as err:  # the head no longer answered
+        left = [f"the shared Ray head could not be asked for its actors: {err!s:.500}"]
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\nthe simulations on the shared Ray head left:", *left, sep="\n  ", file=sys.stderr)
+
+
 def simulate(tmp_path: Path, run_config: str, *, nodes: int = 3, extra: Sequence[str] = ()) -> Path:
     """Run ``scripts/simulate.sh`` (real Flower simulation) and return the run's folder.
 
-    ``extra``: more arguments of the script (e.g. ``--ray-address``). Asserts that the
-    script succeeded and left no process behind.
+    ``extra``: more arguments of the script (e.g. ``--ray-address``). Without a
+    ``--ray-address`` of its own the run joins the suite's shared Ray head
+    (:func:`tests.ray_nodes.shared_head_address`: one Ray start for every simulation
+    test, not one each). Asserts that the script succeeded and left no process behind.
     """
     import os
     import subprocess
 
+    from tests.ray_nodes import shared_head_address
+
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "results"
+    if "--ray-address" not in extra:
+        address = shared_head_address()
+        if address is not None:
+            extra = [*extra, "--ray-address", address]
     proc = subprocess.run(
         [
             "bash",
