@@ -4,8 +4,8 @@ Each ``scripts/simulate.sh`` run used to start a Ray of its own (Flower's backen
 ``ray.init()``), about 20 s of each simulation test on this 2-core machine, and now and
 then a raylet that did not come up within Ray's fixed 30 s, which the script retries
 (40 s and more each). The suite's simulations therefore join one Ray head instead
-(:func:`shared_head_address`), started on first use with the CPUs a Ray of its own would
-have detected, and stopped at the end of the session (:func:`stop_shared_head`, from
+(:func:`shared_head_address`), started on first use with the CPUs Ray detects (as a Ray
+of the run's own would), and stopped at the end of the session (:func:`stop_shared_head`, from
 ``pytest_sessionfinish``), which checks by process id that nothing of it remains. Each
 run is a Ray job of its own: its actors and workers end with its driver, as they do
 when it starts its own Ray. ``TESSERA_TEST_OWN_RAY=1`` makes every simulation start its
@@ -107,20 +107,16 @@ class RayNodes:
     ----------
     log : Path
         Where the nodes' ``ray start`` output goes.
-    num_cpus : int
-        CPUs each node offers.
+    num_cpus : int | None
+        CPUs each node offers (``None``: what Ray detects, as a Ray of a run's own does).
     """
 
-    def __init__(self, log: Path, *, num_cpus: int) -> None:
+    def __init__(self, log: Path, *, num_cpus: int | None) -> None:
         self.temp = tempfile.mkdtemp(prefix="tray-", dir="/tmp")
         self.address = f"127.0.0.1:{free_port()}"
         self.log = log
-        self._common = [
-            "--block",
-            f"--num-cpus={num_cpus}",
-            f"--temp-dir={self.temp}",
-            "--disable-usage-stats",
-        ]
+        cpus = [] if num_cpus is None else [f"--num-cpus={num_cpus}"]
+        self._common = ["--block", *cpus, f"--temp-dir={self.temp}", "--disable-usage-stats"]
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def _start(self, args: list[str]) -> subprocess.Popen[bytes]:
@@ -190,7 +186,7 @@ def shared_head_address() -> str | None:
         return None
     if "head" not in _SHARED:
         log = Path(tempfile.gettempdir()) / f"tessera-test-ray-{os.getpid()}.log"
-        nodes = RayNodes(log, num_cpus=os.cpu_count() or 1)
+        nodes = RayNodes(log, num_cpus=None)
         try:
             nodes.start_head()
         except (AssertionError, OSError, subprocess.SubprocessError) as err:
