@@ -38,7 +38,6 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common.typing import MetricRecordValues
 from torch import nn
 
-from strategies.baselines.fedprox import proximal_term
 from strategies.core.client import (
     ClientAlgorithm,
     ClientWrapper,
@@ -52,7 +51,7 @@ from tessera.config import RunConfig
 from tessera.config.groups import PersonaliseConfig
 from tessera.data import ArrayDataset
 from tessera.node_state import NodeState
-from tessera.training import LossFn, OptimConfig, evaluate_model, train_model
+from tessera.training import LossFn, OptimConfig, evaluate_model, proximal_term, train_model
 
 __all__ = [
     "HEAD_PREFIX",

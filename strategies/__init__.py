@@ -1,6 +1,8 @@
 """Federated schemes: a package each, or a module in a family's package.
 
-Each registers itself on import. The machinery every scheme shares (the round
+Each registers itself on import, and is imported when first named
+(:func:`get_scheme`; :data:`~strategies.core.registry.SCHEME_MODULES` says where each
+lives), so a ClientApp pays only for its run's scheme. The machinery every scheme shares (the round
 loop, the node table, aggregation, reply validation, the client lifecycle, the
 scheme registry) lives in
 :mod:`strategies.core`. FedHeNN (:mod:`strategies.fedhenn`), Felo/Velo/FedHe
@@ -16,9 +18,9 @@ each.
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-from strategies import baselines, ensemble, fedhenn, felo, fml, prototypes, submodel
-from strategies.baselines import fedavg, fedavg_groups, fedprox, flwr_fedavg, local
-from strategies.core import robust
+import importlib
+from types import ModuleType
+
 from strategies.core.registry import (
     Scheme,
     SchemeError,
@@ -27,30 +29,41 @@ from strategies.core.registry import (
     register_scheme,
     resolve_run,
 )
-from strategies.submodel import fedfa, flexifed, heterofl, nefl
+
+_SUBMODULES = {
+    "baselines": "strategies.baselines",
+    "ensemble": "strategies.ensemble",
+    "fedhenn": "strategies.fedhenn",
+    "felo": "strategies.felo",
+    "fml": "strategies.fml",
+    "prototypes": "strategies.prototypes",
+    "submodel": "strategies.submodel",
+    "fedavg": "strategies.baselines.fedavg",
+    "fedavg_groups": "strategies.baselines.fedavg_groups",
+    "fedprox": "strategies.baselines.fedprox",
+    "flwr_fedavg": "strategies.baselines.flwr_fedavg",
+    "local": "strategies.baselines.local",
+    "fedfa": "strategies.submodel.fedfa",
+    "flexifed": "strategies.submodel.flexifed",
+    "heterofl": "strategies.submodel.heterofl",
+    "nefl": "strategies.submodel.nefl",
+    "robust": "strategies.core.robust",
+}
+"""The scheme packages and modules ``strategies.<name>`` names, imported on first use."""
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import a scheme package or module when it is first read (PEP 562)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name])
+    raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+
 
 __all__ = [
     "Scheme",
     "SchemeError",
-    "baselines",
-    "ensemble",
-    "fedavg",
-    "fedavg_groups",
-    "fedfa",
-    "fedhenn",
-    "fedprox",
-    "felo",
-    "flexifed",
-    "flwr_fedavg",
-    "fml",
     "get_scheme",
-    "heterofl",
     "list_schemes",
-    "local",
-    "nefl",
-    "prototypes",
     "register_scheme",
     "resolve_run",
-    "robust",
-    "submodel",
 ]

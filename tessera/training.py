@@ -27,6 +27,31 @@ def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return nn.functional.cross_entropy(model(x), y)
 
 
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
+    """Return ``sum ||w - w0||^2`` over the model's parameters.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model being trained.
+    anchor : list[torch.Tensor]
+        Detached copies of the parameters at the start of the round, in
+        ``model.parameters()`` order.
+
+    Returns
+    -------
+    torch.Tensor
+        A differentiable scalar.
+    """
+    params = list(model.parameters())
+    if len(params) != len(anchor):
+        raise ValueError(f"{len(params)} parameters but {len(anchor)} anchors")
+    total = torch.zeros((), device=params[0].device)
+    for p, a in zip(params, anchor, strict=True):
+        total = total + torch.sum((p - a) ** 2)
+    return total
+
+
 @dataclass(frozen=True)
 class TrainStats:
     """What one local training run did."""

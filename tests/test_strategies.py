@@ -11,6 +11,8 @@ import dataclasses
 import json
 import math
 import re
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -28,7 +30,7 @@ from torch import nn
 from models import model_entry
 from server_app.app import build_server
 from strategies import get_scheme, list_schemes, register_scheme
-from strategies.baselines.fedprox import FedProxClient, FedProxOptions, proximal_term
+from strategies.baselines.fedprox import FedProxClient, FedProxOptions
 from strategies.core import registry as scheme_registry
 from strategies.core.exchange import (
     MAX_POLL_INTERVAL,
@@ -44,6 +46,7 @@ from strategies.core.validation import Rejection
 from tessera import wire
 from tessera.config import ConfigError, RunConfig
 from tessera.results import plot_rounds
+from tessera.training import proximal_term
 from tests.conftest import (
     FakeGrid,
     client_handlers,
@@ -692,8 +695,47 @@ def test_registry_lists_the_schemes() -> None:
     assert list_schemes() == sorted(list_schemes())
 
 
+def test_scheme_modules_name_where_each_built_in_scheme_registers() -> None:
+    # Execute: import every scheme
+    names = list_schemes()
+
+    # Assert: each listed module defines the scheme object of its name; every
+    # scheme registered from the package is listed
+    for name, module in scheme_registry.SCHEME_MODULES.items():
+        scheme = get_scheme(name)
+        assert any(value is scheme for value in vars(sys.modules[module]).values()), name
+    built_in = {n for n in names if get_scheme(n).server.__module__.startswith("strategies.")}
+    assert built_in == set(scheme_registry.SCHEME_MODULES)
+
+
+def test_client_app_imports_no_scheme_until_one_is_named() -> None:
+    # Flower re-imports the app's modules for every message in deployment, so the
+    # ClientApp must not import every scheme up front
+    code = (
+        "import sys, client_app.app\n"
+        "def schemes():\n"
+        "    return sorted({m.split('.')[1] for m in sys.modules\n"
+        "                   if m.startswith('strategies.') and m.split('.')[1] != 'core'})\n"
+        "print(schemes())\n"
+        "from strategies import get_scheme\n"
+        "get_scheme('felo')\n"
+        "print(schemes())\n"
+    )
+
+    # Execute
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
+
+    # Assert
+    assert out[0] == "[]"
+    assert out[1] == "['felo']"
+
+
 def test_duplicate_registration_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Prepare: a private copy of the registry so nothing leaks into other tests
+    # Prepare: a private copy of the registry (every scheme imported first, so none
+    # registers into the copy alone) so nothing leaks into other tests
+    list_schemes()
     monkeypatch.setattr(scheme_registry, "_SCHEMES", dict(scheme_registry._SCHEMES))
     local = get_scheme("local")
     server = type("LocalCopy", (local.server,), {})

@@ -14,7 +14,7 @@ from strategies.core.client import RoundInput
 from strategies.core.registry import Scheme, register_scheme
 from tessera.config import ConfigError, ConfigReader
 from tessera.node_state import NodeState
-from tessera.training import LossFn
+from tessera.training import LossFn, proximal_term
 
 
 @dataclass(frozen=True)
@@ -41,31 +41,6 @@ class FedProxStrategy(FedAvgStrategy[FedProxOptions]):
     Each client reads ``proximal-mu`` from the run config it shares with the server,
     so nothing is sent for it.
     """
-
-
-def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
-    """Return ``sum ||w - w0||^2`` over the model's parameters.
-
-    Parameters
-    ----------
-    model : nn.Module
-        The model being trained.
-    anchor : list[torch.Tensor]
-        Detached copies of the parameters at the start of the round, in
-        ``model.parameters()`` order.
-
-    Returns
-    -------
-    torch.Tensor
-        A differentiable scalar.
-    """
-    params = list(model.parameters())
-    if len(params) != len(anchor):
-        raise ValueError(f"{len(params)} parameters but {len(anchor)} anchors")
-    total = torch.zeros((), device=params[0].device)
-    for p, a in zip(params, anchor, strict=True):
-        total = total + torch.sum((p - a) ** 2)
-    return total
 
 
 class FedProxClient(FedAvgClient[FedProxOptions]):

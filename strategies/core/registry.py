@@ -10,6 +10,7 @@ ClientApp read a run config: both see the same resolved values.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -132,6 +133,43 @@ class ResolvedRun(Generic[OptionsT]):
 
 
 _SCHEMES: dict[str, Scheme[Any]] = {}
+
+SCHEME_MODULES: Mapping[str, str] = {
+    "ensemble": "strategies.ensemble.scheme",
+    "fedavg": "strategies.baselines.fedavg",
+    "fedavg-groups": "strategies.baselines.fedavg_groups",
+    "fedfa": "strategies.submodel.fedfa",
+    "fedgh": "strategies.prototypes.fedgh",
+    "fedhe": "strategies.felo.scheme",
+    "fedhenn": "strategies.fedhenn.scheme",
+    "fedprox": "strategies.baselines.fedprox",
+    "fedproto": "strategies.prototypes.fedproto",
+    "fedtgp": "strategies.prototypes.fedtgp",
+    "felo": "strategies.felo.scheme",
+    "flexifed": "strategies.submodel.flexifed",
+    "flwr-fedavg": "strategies.baselines.flwr_fedavg",
+    "fml": "strategies.fml.scheme",
+    "heterofl": "strategies.submodel.heterofl",
+    "lg-fedavg": "strategies.prototypes.lgfedavg",
+    "local": "strategies.baselines.local",
+    "nefl": "strategies.submodel.nefl",
+    "velo": "strategies.felo.scheme",
+}
+"""Where each built-in scheme registers itself: the module :func:`get_scheme` imports.
+
+Schemes are imported when first named, not all at once: a ClientApp imports only its
+run's scheme. That matters in deployment, where Flower re-imports the app's modules
+for every message (``flwr.common.object_ref.load_app`` unloads the modules of the
+previous FAB directory), so every scheme imported up front is paid once a message.
+A test checks that each module registers exactly the names it is listed under.
+"""
+
+
+def load_scheme_module(name: str) -> None:
+    """Import the module that registers built-in scheme ``name`` (nothing if unknown)."""
+    module = SCHEME_MODULES.get(name)
+    if module is not None and name not in _SCHEMES:
+        importlib.import_module(module)
 
 
 def no_options(run_config: Mapping[str, Any]) -> None:
@@ -325,6 +363,7 @@ def get_scheme(name: str) -> Scheme[Any]:
     SchemeError
         If no scheme has that name; the message lists the known ones.
     """
+    load_scheme_module(name)
     try:
         return _SCHEMES[name]
     except KeyError:
@@ -335,5 +374,7 @@ def get_scheme(name: str) -> Scheme[Any]:
 
 
 def list_schemes() -> list[str]:
-    """Names of all registered schemes, sorted."""
+    """Names of all registered schemes (the built-in ones imported first), sorted."""
+    for name in SCHEME_MODULES:
+        load_scheme_module(name)
     return sorted(_SCHEMES)
