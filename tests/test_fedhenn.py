@@ -24,7 +24,7 @@ from torch import nn
 from models import get_model, list_models
 from strategies.fedhenn import linear_cka
 from strategies.fedhenn.client import FedHeNNClient
-from strategies.fedhenn.kbar import average_kernel, factorise
+from strategies.fedhenn.kbar import average_kernel, factorise, unit_scale
 from strategies.fedhenn.options import FedHeNNOptions
 from strategies.fedhenn.payload import ALIGN, PROBE, RAD_ROUND_KEY, REP, representation_problem
 from strategies.fedhenn.server import RadSampler
@@ -223,6 +223,33 @@ def test_client_constructor_picks_the_mode(default_run_config: dict[str, Any]) -
 
 
 # ------------------------------------------------------------------------------- RAD
+def test_unit_scale_hand_values_and_zero_peak() -> None:
+    # Execute / Assert: divided by the largest magnitude, cast last
+    scaled = unit_scale(np.array([[1e6, -2e6], [5e5, 0.0]]), "float16")
+    assert scaled.dtype == np.float16
+    assert scaled.tolist() == [[0.5, -1.0], [0.25, 0.0]]
+    assert unit_scale(np.zeros((2, 2))).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_features_past_float16_range_are_sent_finite_with_their_cka() -> None:
+    # Prepare: features of order 1e6, which float16 (max 65504) cannot hold
+    rng = np.random.default_rng(0)
+    raw = rng.normal(size=(32, 6)) * 1e6
+    with np.errstate(over="ignore"):
+        assert not np.all(np.isfinite(raw.astype(np.float16)))
+
+    # Execute: what the client now sends at fedhenn-precision='float16'
+    sent = unit_scale(raw, "float16")
+
+    # Assert: finite, accepted by the server's check, and the same representation
+    # to CKA (invariant to the scale) within float16's rounding
+    assert np.all(np.isfinite(sent))
+    content = RecordDict({REP: wire.numpy_to_record({"rep": sent})})
+    assert representation_problem(content, rows=32, dim=6) is None
+    cka = linear_cka(torch.from_numpy(raw), torch.from_numpy(sent.astype(np.float64)))
+    assert float(cka) == pytest.approx(1.0, abs=1e-5)
+
+
 def test_rad_sampler_draws_pool_rows_seeded_by_round() -> None:
     # Prepare: a pool of 50 distinct rows
     pool = np.arange(50 * 4, dtype=np.float32).reshape(50, 1, 2, 2)

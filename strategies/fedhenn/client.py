@@ -13,6 +13,7 @@ from torch import nn
 from models.base import TesseraModel
 from strategies.core.client import ClientAlgorithm, Record, RoundInput, RoundOutcome
 from strategies.fedhenn.cka import kernel_cka, linear_cka, rbf_cka, rbf_kernel
+from strategies.fedhenn.kbar import unit_scale
 from strategies.fedhenn.options import HETEROGENEOUS, FedHeNNOptions
 from strategies.fedhenn.payload import (
     ALIGN,
@@ -248,7 +249,9 @@ class FedHeNNClient(ClientAlgorithm[FedHeNNOptions]):
         if self.probe_x is not None:
             started = time.perf_counter()
             x = torch.from_numpy(np.asarray(self.probe_x, dtype=np.float32)).to(outcome.device)
-            rep = _eval_features(model, x).cpu().numpy().astype(self.options.precision)
+            # Scaled to a peak of 1 (the server's kernels are invariant to it), so
+            # features past float16's range do not become infinities
+            rep = unit_scale(_eval_features(model, x).cpu().numpy(), self.options.precision)
             records[REP] = wire.numpy_to_record({"rep": rep})
             self.rep_seconds += time.perf_counter() - started
         records[STATS] = self.stats_record()

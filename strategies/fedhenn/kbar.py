@@ -127,21 +127,30 @@ def normalise_weights(weights: Sequence[float]) -> np.ndarray:
     return normalised
 
 
-def _unit_scale(rep: np.ndarray) -> np.ndarray:
-    """Return ``rep`` in float64 divided by its largest magnitude.
+def unit_scale(rep: np.ndarray, dtype: str = "float64") -> np.ndarray:
+    """Return ``rep`` divided by its largest magnitude, as ``dtype``.
 
     The normalised linear kernel and the RBF kernel with a median-distance bandwidth
     are both invariant to this scale; it keeps products of huge (hostile) values
-    from overflowing to infinities and NaNs.
+    from overflowing to infinities and NaNs on the server, and lets a client send
+    features larger than float16 holds (65504) at ``fedhenn-precision='float16'``
+    without their becoming infinities. The scale is taken in float64; a zero or
+    non-finite peak leaves the values unscaled.
+
+    Examples
+    --------
+    >>> unit_scale(np.array([[1e6, -2e6], [5e5, 0.0]]), "float16").tolist()
+    [[0.5, -1.0], [0.25, 0.0]]
     """
     a = rep.astype(np.float64)
     peak = float(np.max(np.abs(a))) if a.size else 0.0
-    return a / peak if peak > 0 and np.isfinite(peak) else a
+    scaled = a / peak if peak > 0 and np.isfinite(peak) else a
+    return scaled.astype(dtype)
 
 
 def _unit_kernel(rep: np.ndarray, kernel: str) -> np.ndarray:
     """Return the centred ``n x n`` kernel of one representation, of unit Frobenius norm."""
-    a = _unit_scale(rep)
+    a = unit_scale(rep)
     if kernel == "linear":
         a = a - a.mean(axis=0, keepdims=True)
         k = a @ a.T
@@ -155,7 +164,7 @@ def _unit_kernel(rep: np.ndarray, kernel: str) -> np.ndarray:
 
 def _linear_part(rep: np.ndarray, weight: float) -> np.ndarray:
     """Return ``A_c sqrt(weight / ||A_c A_c^T||_F)``, whose outer product is the weighted kernel."""
-    a = _unit_scale(rep)
+    a = unit_scale(rep)
     a = a - a.mean(axis=0, keepdims=True)
     norm = float(np.linalg.norm(a.T @ a))  # = ||A_c A_c^T||_F
     if norm <= 0:
