@@ -250,6 +250,40 @@ def test_features_past_float16_range_are_sent_finite_with_their_cka() -> None:
     assert float(cka) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_clients_send_features_past_float16_range_finite_and_accepted(
+    default_run_config: dict[str, Any],
+    digits_bundle: Any,
+    candidate_cost_cache: dict[tuple[Any, ...], Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: every model's features scaled by 1e6, past float16's 65504, through
+    # the real client, server and grid (the default fedhenn-precision is float16)
+    import strategies.fedhenn.client as fedhenn_client
+
+    features = fedhenn_client._eval_features
+    monkeypatch.setattr(fedhenn_client, "_eval_features", lambda model, x: features(model, x) * 1e6)
+    install_fast_clients(monkeypatch, digits_bundle, candidate_cost_cache)
+    config = {**default_run_config, **TINY, **RUNS["hetero"]["overrides"], "num-server-rounds": 2}
+
+    # Execute
+    with torch_threads(1):
+        fed = run_federation(config, digits_bundle, tmp_path / "run", num_rounds=2)
+
+    # Assert: the representations arrive finite, scaled to a peak of 1, and none is
+    # rejected (before the scale they were infinities, rejected as non-finite)
+    reps = [
+        r.content.array_records[REP]["rep"].numpy()
+        for r in fed.grid.replies_of("train")
+        if REP in r.content.array_records
+    ]
+    assert reps
+    for rep in reps:
+        assert rep.dtype == np.float16 and np.all(np.isfinite(rep))
+        assert float(np.max(np.abs(rep))) == 1.0
+    assert all(r["num_rejected"] == 0 for r in fed.server.rounds), fed.server.rounds
+
+
 def test_rad_sampler_draws_pool_rows_seeded_by_round() -> None:
     # Prepare: a pool of 50 distinct rows
     pool = np.arange(50 * 4, dtype=np.float32).reshape(50, 1, 2, 2)
