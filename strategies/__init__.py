@@ -18,9 +18,6 @@ each.
 scheme's server strategy, its client algorithm and its option parser.
 """
 
-import importlib
-from types import ModuleType
-
 from strategies.core.registry import (
     Scheme,
     SchemeError,
@@ -29,35 +26,6 @@ from strategies.core.registry import (
     register_scheme,
     resolve_run,
 )
-
-_SUBMODULES = {
-    "baselines": "strategies.baselines",
-    "ensemble": "strategies.ensemble",
-    "fedhenn": "strategies.fedhenn",
-    "felo": "strategies.felo",
-    "fml": "strategies.fml",
-    "prototypes": "strategies.prototypes",
-    "submodel": "strategies.submodel",
-    "fedavg": "strategies.baselines.fedavg",
-    "fedavg_groups": "strategies.baselines.fedavg_groups",
-    "fedprox": "strategies.baselines.fedprox",
-    "flwr_fedavg": "strategies.baselines.flwr_fedavg",
-    "local": "strategies.baselines.local",
-    "fedfa": "strategies.submodel.fedfa",
-    "flexifed": "strategies.submodel.flexifed",
-    "heterofl": "strategies.submodel.heterofl",
-    "nefl": "strategies.submodel.nefl",
-    "robust": "strategies.core.robust",
-}
-"""The scheme packages and modules ``strategies.<name>`` names, imported on first use."""
-
-
-def __getattr__(name: str) -> ModuleType:
-    """Import a scheme package or module when it is first read (PEP 562)."""
-    if name in _SUBMODULES:
-        return importlib.import_module(_SUBMODULES[name])
-    raise AttributeError(f"module 'strategies' has no attribute {name!r}")
-
 
 __all__ = [
     "Scheme",

@@ -161,7 +161,7 @@ Schemes are imported when first named, not all at once: a ClientApp imports only
 run's scheme. That matters in deployment, where Flower re-imports the app's modules
 for every message (``flwr.common.object_ref.load_app`` unloads the modules of the
 previous FAB directory), so every scheme imported up front is paid once a message.
-A test checks that each module registers exactly the names it is listed under.
+A test checks that each listed module defines its scheme and that every built-in scheme is listed.
 """
 
 
