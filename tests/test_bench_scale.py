@@ -46,7 +46,8 @@ def test_a_row_reads_round_two_and_the_first_handshake(bench: ModuleType, tmp_pa
                 "pull": 0.2,
                 "fold": 0.3,
                 "pull_cpu": 0.001,
-                "fold_cpu": 0.007,
+                "fold_cpu": 0.011,
+                "pool_train_cpu": 0.004,
                 "aggregate": 0.01,
                 "evaluate": 0.05,
             },
@@ -60,11 +61,12 @@ def test_a_row_reads_round_two_and_the_first_handshake(bench: ModuleType, tmp_pa
     png = bench.plot([row, {**row, "nodes": 8, "round_seconds": 4.0}], tmp_path / "s.png")
 
     # Assert: round 2's time per node is 2.0 s / 4 = 500 ms, the handshake 6 s / 4 =
-    # 1500 ms a node, the server's own work (1 + 7) ms of CPU / 4 replies = 2 ms a reply
+    # 1500 ms a node, the server's own work (1 + 11 - 4) ms of CPU / 4 replies = 2 ms a
+    # reply, its training on the pool (4 ms, inside the fold) apart: a cost per round
     assert row["round_seconds"] == 2.0 and row["first_handshake_seconds"] == 6.0
     assert (
-        "| 4 | 4 | 2.0 | 500.0 | 6.0 (1500.0) | 0.10 | 1.5 (0.2, 0.30) | 2.00 | 0.010 | 0.05 "
-        "| 800 (810) | 30 |" in text
+        "| 4 | 4 | 2.0 | 500.0 | 6.0 (1500.0) | 0.10 | 1.5 (0.2, 0.30) | 2.00 | 0.00 | 0.010 "
+        "| 0.05 | 800 (810) | 30 |" in text
     )
     assert png.stat().st_size > 1000
     # one size is no line: said so, not printed as nan

@@ -165,3 +165,36 @@ def test_the_handler_stamps_phases_from_the_instruction(tmp_path: Path) -> None:
     # no metrics record: nothing to add
     assert with_phases({}, msg, created, clock) == {}
     assert isinstance(Message(RecordDict(out), reply_to=msg), Message)
+
+
+@pytest.mark.parametrize("trust", [True, False])
+def test_a_round_records_the_servers_pool_training_inside_its_fold(
+    trust: bool,
+    run_config: Callable[..., dict[str, Any]],
+    digits_bundle: Any,
+    fast_clients: None,
+    tmp_path: Path,
+) -> None:
+    from tests.test_spine_rounds import run
+
+    # Execute: two real rounds with the default bounded mean, its direction check on/off
+    config = run_config(
+        {
+            **TINY_DIGITS,
+            "num-server-rounds": 2,
+            "output-dir": str(tmp_path),
+            "run-name": "p",
+            "server-trust": trust,
+        }
+    )
+    run(config, digits_bundle, num_nodes=3)
+
+    # Assert: the server trained on its pool while folding (a part of fold_cpu), only
+    # with the direction check on
+    rounds = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    for record in rounds:
+        phases = record["phase_seconds"]
+        if trust:
+            assert 0.0 < phases["pool_train_cpu"] <= phases["fold_cpu"]
+        else:
+            assert phases["pool_train_cpu"] == 0.0

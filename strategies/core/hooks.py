@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -55,6 +56,13 @@ class SchemeHooks(Generic[OptionsT]):
     completed_round: int
     _templates: dict[str, dict[str, np.ndarray]]
     _pool_counts: tuple[int, ...] | None = None
+    pool_train_cpu: float = 0.0
+    """This process's CPU seconds (its calling thread's) in :meth:`pool_direction` so far.
+
+    The server's own training on its pool: at most one whole-pool update per model and
+    :data:`~strategies.core.direction.MAX_CLASS_DIRECTIONS` mix updates a round, so a
+    cost per round, not per reply. A round records the part it spent while folding
+    (``phase_seconds['pool_train_cpu']``, inside ``fold_cpu``)."""
 
     @property
     def nodes(self) -> dict[int, NodeInfo]:
@@ -113,6 +121,15 @@ class SchemeHooks(Generic[OptionsT]):
         ``None`` when run-config ``server-trust`` is off, the pool (or its part) is
         empty, or the update is not finite.
         """
+        cpu = time.thread_time()
+        try:
+            return self._pool_direction(arch, weights, mix)
+        finally:
+            self.pool_train_cpu += time.thread_time() - cpu
+
+    def _pool_direction(
+        self, arch: str, weights: Mapping[str, np.ndarray], mix: PoolMix | None
+    ) -> dict[str, np.ndarray] | None:
         from tessera.training import OptimConfig, cross_entropy_loss, torch_threads, train_model
 
         run = self.env.run

@@ -383,6 +383,7 @@ class HeteroStrategy(SchemeHooks[OptionsT]):
         """Phase 4: send, and fold each reply as it is pulled; return why the round is skipped."""
         run = self.env.run
         tick = time.monotonic()
+        pool_train = self.pool_train_cpu
         outcome = exchange(
             grid,
             messages,
@@ -398,6 +399,9 @@ class HeteroStrategy(SchemeHooks[OptionsT]):
         # the engine and the nodes, and in simulation for the interpreter lock
         ctx.phases["pull_cpu"] = outcome.pull_cpu_seconds
         ctx.phases["fold_cpu"] = outcome.fold_cpu_seconds
+        # of which the server's own training on its pool (the bounded mean's
+        # direction check): bounded per round, not per reply
+        ctx.phases["pool_train_cpu"] = self.pool_train_cpu - pool_train
         ctx.failures = outcome.missing
         for node, reason in outcome.missing.items():
             log.warning("round %d: node %d failed: %s", ctx.server_round, node, reason)
