@@ -271,7 +271,7 @@ def server_work_ms(row: dict[str, Any]) -> float:
     3.0
     """
     work = row["pull_cpu_seconds"] + row["fold_cpu_seconds"] - pool_train_seconds(row)
-    return 1000 * work / max(1, row["num_ok"])
+    return float(1000 * work / max(1, row["num_ok"]))
 
 
 def flatness(rows: list[dict[str, Any]]) -> dict[str, float]:
