@@ -21,7 +21,8 @@ pool); the server's own work per reply (its thread's CPU time pulling and foldin
 which leaves out waiting for the engine and, in simulation, for the interpreter
 lock, and the server's training on its pool that the bounded ``mean``'s direction
 check does within the fold, at most once for the whole pool and 16 times for label
-mixes a round: that is shown apart, per round); the first round's handshake; and the
+mixes a round, on a server pool that grows with the node count here (10 % of each
+size's data set): that is shown apart, per round); the first round's handshake; and the
 ServerApp process's resident memory (now and peak). Total wall time includes Ray's
 start. Under the table it prints, for the sizes of 50 nodes or more, max over min of
 the round time per node, the server's work per reply and the handshake per node:
@@ -389,6 +390,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     )
     flat.plot(
         nodes, [server_work_ms(r) for r in rows], "s--", label="server's own work per reply (CPU)"
+    )
+    flat.plot(
+        nodes,
+        [1000 * pool_train_seconds(r) / r["nodes"] for r in rows],
+        "^:",
+        label="server's training on its pool, per node (CPU)",
     )
     flat.set_xscale("log")
     flat.set_ylim(bottom=0)
