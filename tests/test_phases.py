@@ -123,22 +123,29 @@ def test_mean_phases_over_the_replies_that_report_them() -> None:
     assert mean_phases(clients) == {"data": 0.5, "train": 2.0, RETURN: 0.2}
 
 
+def two_rounds(
+    run_config: Callable[..., dict[str, Any]], bundle: Any, out: Path, **extra: Any
+) -> list[dict[str, Any]]:
+    """Run two real rounds of three real ClientApps (in process); return the round records."""
+    from tests.test_spine_rounds import run
+
+    config = run_config(
+        {**TINY_DIGITS, "num-server-rounds": 2, "output-dir": str(out), "run-name": "p", **extra}
+    )
+    run(config, bundle, num_nodes=3)
+    return [json.loads(x) for x in (out / "p" / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_round_records_every_phase_of_every_node(
     run_config: Callable[..., dict[str, Any]],
     digits_bundle: Any,
     fast_clients: None,
     tmp_path: Path,
 ) -> None:
-    from tests.test_spine_rounds import run
-
-    # Execute: two real rounds of real ClientApps (in process)
-    config = run_config(
-        {**TINY_DIGITS, "num-server-rounds": 2, "output-dir": str(tmp_path), "run-name": "p"}
-    )
-    run(config, digits_bundle, num_nodes=3)
+    # Execute
+    rounds = two_rounds(run_config, digits_bundle, tmp_path)
 
     # Assert: every client's phases, a round mean, and training where training is
-    rounds = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     for record in rounds:
         for client in record["clients"]:
             assert set(client["phases"]) == {*CLIENT_PHASES, RETURN}
@@ -175,23 +182,11 @@ def test_a_round_records_the_servers_pool_training_inside_its_fold(
     fast_clients: None,
     tmp_path: Path,
 ) -> None:
-    from tests.test_spine_rounds import run
-
-    # Execute: two real rounds with the default bounded mean, its direction check on/off
-    config = run_config(
-        {
-            **TINY_DIGITS,
-            "num-server-rounds": 2,
-            "output-dir": str(tmp_path),
-            "run-name": "p",
-            "server-trust": trust,
-        }
-    )
-    run(config, digits_bundle, num_nodes=3)
+    # Execute: the default bounded mean, its direction check on or off
+    rounds = two_rounds(run_config, digits_bundle, tmp_path, **{"server-trust": trust})
 
     # Assert: the server trained on its pool while folding (a part of fold_cpu), only
     # with the direction check on
-    rounds = [json.loads(x) for x in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     for record in rounds:
         phases = record["phase_seconds"]
         if trust:
