@@ -57,7 +57,7 @@ class SchemeHooks(Generic[OptionsT]):
     _templates: dict[str, dict[str, np.ndarray]]
     _pool_counts: tuple[int, ...] | None = None
     pool_train_cpu: float = 0.0
-    """This process's CPU seconds (its calling thread's) in :meth:`pool_direction` so far.
+    """CPU seconds (the calling thread's) this strategy has spent in :meth:`pool_direction`.
 
     The server's own training on its pool: at most one whole-pool update per model and
     :data:`~strategies.core.direction.MAX_CLASS_DIRECTIONS` mix updates a round, so a
