@@ -187,9 +187,56 @@ def test_a_first_round_holds_at_most_the_buffer_and_streams_the_rest(
         (3, pytest.approx(4.0), pytest.approx(2.0)),
         (4, pytest.approx(10.0), pytest.approx(2.0)),
     ]
-    # the next scale: the lower median of what was accepted (1, 2, 2, 2 and the
-    # streamed one's evidence, at most growth 2 x its bound: 4) = 2
+    # the next scale: the lower median of what was accepted (1, 2, 2, 2 and what the
+    # streamed one sent, 10: a first round has no scale to grow from) = 2
     assert acc.report().medians == {"parameters": pytest.approx(2.0)}
+
+
+@pytest.mark.parametrize(
+    ("first", "expected_out"),
+    [
+        # four replies of distance 0.001 first: they bound the rest of the round by
+        # their median (the six at 1 are clipped to 0.001): (10 x 0.001) / 10
+        (0.001, 0.001),
+        # four of distance 500 first: clipped to their own median (500), the six at 1
+        # pass: (4 x 500 + 6 x 1) / 10
+        (500.0, 200.6),
+    ],
+)
+def test_a_minority_that_replies_first_cannot_set_the_next_rounds_scale(
+    monkeypatch: pytest.MonkeyPatch, first: float, expected_out: float
+) -> None:
+    # Prepare: a buffer of 4 (FIRST_ROUND_BUFFER); no scale yet (a model's first
+    # round); four hostile replies arrive first (a node that does not train replies
+    # soonest), then six honest ones at distance 1
+    monkeypatch.setattr(mean_module, "FIRST_ROUND_BUFFER", 4)
+    acc = MeanAccumulator(vec(0.0, 0.0), clip_factor=1.0)
+
+    # Execute
+    for d in [first] * 4 + [1.0] * 6:
+        acc.add(vec(d, 0.0), 1.0)
+    out = acc.result()["w"]
+    report = acc.report()
+
+    # Assert: this round is bounded by the first four's median ...
+    np.testing.assert_allclose(out, [expected_out, 0.0], rtol=1e-6)
+    # ... but the next scale is the lower median of what the ten sent (4 x first,
+    # 6 x 1: the fifth of ten sorted is 1), not within bound-growth of the first
+    # four's: a minority picks only which honest distance is the median
+    assert report.medians == {"parameters": pytest.approx(1.0)}
+
+
+def test_a_majority_that_replies_first_sets_a_first_rounds_scale_as_in_a_held_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # six of ten replies at 0.001 first, then four at 1: the same lower median as
+    # holding all ten (no previous scale; later rounds move it by bound-growth at most)
+    monkeypatch.setattr(mean_module, "FIRST_ROUND_BUFFER", 4)
+    acc = MeanAccumulator(vec(0.0, 0.0), clip_factor=1.0)
+    for d in [0.001] * 6 + [1.0] * 4:
+        acc.add(vec(d, 0.0), 1.0)
+    acc.result()
+    assert acc.report().medians == {"parameters": pytest.approx(0.001)}
 
 
 def test_a_first_round_within_the_buffer_is_bounded_as_if_all_were_held() -> None:

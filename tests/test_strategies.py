@@ -963,6 +963,10 @@ def test_parse_handshake_reads_the_profile() -> None:
     [
         ({"arch": "resnet-999"}, "unknown architecture 'resnet-999'"),
         ({"num-train": 0}, "num-train=0"),
+        # a claim past MAX_EXAMPLES would make the round's weighted sums overflow
+        ({"num-train": 1.7e308, "label-counts": [1.7e307] * 10}, "above the 1,000,000,000"),
+        ({"num-train": 10**9 + 10, "label-counts": [10**8 + 1] * 10}, "num-train=1000000010"),
+        ({"num-test": 10**9 + 1}, "num-test=1000000001"),
         ({"size-rank": "big"}, "malformed"),
     ],
 )

@@ -176,7 +176,9 @@ class MeanAccumulator:
     round's own lower median (and the ceiling), or until :data:`FIRST_ROUND_BUFFER`
     are kept, which are folded so and whose median becomes the scale the rest of
     the round streams against (the memory stays that many models, whatever the
-    number of nodes); otherwise each update is measured
+    number of nodes; the next round's scale is still the lower median of what the
+    whole round sent, :meth:`~strategies.core.scales.ScaleBook.adopt`, so a minority
+    that replies first cannot set it); otherwise each update is measured
     and folded as it arrives (:meth:`_stream`): one pass that computes the
     distance block by block and folds each block while the running distance is
     within the bound, and a correction for the blocks already folded when it is

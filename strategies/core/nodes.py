@@ -198,6 +198,15 @@ def parse_handshake(
     return info
 
 
+MAX_EXAMPLES = 10**9
+"""The most examples a node may report for its training or test set.
+
+A claimed size becomes a weight in the round's sums; without a bound, a node of a
+cohort of one (or a cohort that all lies) could claim 1.7e308 and make every sum
+overflow to infinity, skipping rounds until the run stops. No edge device trains
+on a billion examples a round."""
+
+
 def handshake_problem(info: NodeInfo, num_classes: int | None) -> str | None:
     """Return why a parsed profile contradicts the registry or itself, or ``None``."""
     from models import model_entry
@@ -206,6 +215,12 @@ def handshake_problem(info: NodeInfo, num_classes: int | None) -> str | None:
         return f"handshake reports num-train={info.num_train}"
     if info.num_test < 0:
         return f"handshake reports num-test={info.num_test}"
+    for key, value in (("num-train", info.num_train), ("num-test", info.num_test)):
+        if value > MAX_EXAMPLES:
+            return (
+                f"handshake reports {key}={value}, above the {MAX_EXAMPLES:,} examples a "
+                "node may hold (MAX_EXAMPLES)"
+            )
     model, spec = info.ref.model, info.ref.spec
     entry = model_entry(model)
     if spec is not None:

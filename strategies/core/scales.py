@@ -230,6 +230,10 @@ class ScaleBook:
         """Per kind, every accepted distance in whole-model units (:meth:`bound`)."""
         self.sliced: set[str] = set()
         """Kinds of which a slice (an update covering part of the model) was accepted."""
+        self.adopted = False
+        """Whether this round, a model's first, adopted the scale of its first updates
+        (:meth:`adopt`): the rest stream against it, but the next scale is not anchored
+        to it (:meth:`medians`)."""
 
     @property
     def bounded(self) -> bool:
@@ -302,8 +306,10 @@ class ScaleBook:
             if bound > 0 and sent > bound:
                 factors[kind] = bound / sent
                 clips.append(Clip(position, kind, sent, bound))
-                # a first round's bounds are its own medians: nothing to grow from
-                distance = scale_evidence(sent, bound, self.growth if self.previous else 1.0)
+                if self.adopted:  # bounded by the first replies' scale: what it sent
+                    distance = min(sent, self.ceilings.get(kind, math.inf))
+                else:  # a first round's bounds are its own medians: nothing to grow from
+                    distance = scale_evidence(sent, bound, self.growth if self.previous else 1.0)
             distance /= stretch
             if distance > 0:
                 size, n = self.sizes.get(kind, 0), covered.get(kind, 0)
@@ -394,20 +400,27 @@ class ScaleBook:
         :meth:`medians` of the updates accepted so far (their lower medians; a
         model's first round has no previous scale) become :attr:`previous`, as if a
         round had ended: later updates get a :meth:`bound` and are folded as they
-        arrive, their evidence is capped at ``growth`` x their bound, and the round's
-        final scale moves at most ``growth`` from these. Nothing changes unless every
-        scale is finite and positive (later updates are then held again, as before).
+        arrive. The next round's scale is not anchored to these: it is the lower
+        median of every distance the round accepted, a later update's as it sent it
+        (at most the ceiling, a scale from no node), as if the whole round had been
+        held. The first replies are those a node that does not train sends soonest:
+        a minority of them bounds the rest of this one round by its median, but
+        cannot move the next round's scale. Nothing changes unless every scale is
+        finite and positive (later updates are then held again, as before).
         """
         scales = self.medians()
         if scales and all(math.isfinite(d) and d > 0 for d in scales.values()):
             self.previous = scales
+            self.adopted = True
 
     def medians(self) -> dict[str, float]:
         """Return the next round's scale per key.
 
         :func:`next_scale` of the distances this round accepted (each at most
         ``growth`` x its bound, :func:`scale_evidence`) and the last round's scale; a
-        class nobody moved keeps its scale.
+        class nobody moved keeps its scale. A first round that adopted the scale of
+        its first updates (:meth:`adopt`) has no last round's scale: its own lower
+        median.
         """
         medians: dict[str, float] = {}
         for key, accepted in sorted(self.accepted.items()):
@@ -416,10 +429,11 @@ class ScaleBook:
                 continue  # a slice alone in its class: never its own scale
             if size is None and kind in self.sliced and len(accepted) < 2:
                 continue  # a whole model alone among slices: the same
-            medians[key] = next_scale(accepted, self.previous_scale(kind, key), self.growth)
+            anchor = None if self.adopted else self.previous_scale(kind, key)
+            medians[key] = next_scale(accepted, anchor, self.growth)
         for kind in sorted(self.sliced):
             key = f"{kind}@{POOLED}"
-            anchor = self.previous_scale(kind, key)
+            anchor = None if self.adopted else self.previous_scale(kind, key)
             medians[key] = next_scale(self.whole[kind], anchor, self.growth)
         for key, scale in self.previous.items():  # a class nobody moved keeps its scale
             medians.setdefault(key, scale)
