@@ -980,6 +980,26 @@ def test_parse_handshake_rejects_bad_profiles(profile: dict[str, Any], fragment:
 
 
 # ------------------------------------------------------------- Flower's FedAvg reference
+@pytest.mark.parametrize(
+    "changed",
+    [{"aggregator": "median"}, {"weight-cap": 1.0}, {"clip-factor": 0.0, "server-trust": False}],
+)
+def test_flwr_fedavg_refuses_the_defence_keys_it_would_ignore(
+    run_config: Callable[..., dict[str, Any]], changed: dict[str, Any]
+) -> None:
+    # Prepare: Flower's unmodified FedAvg weighs replies by their stated num-examples
+    # and bounds nothing
+    config = run_config({**TINY, "strategy": "flwr-fedavg", "fedavg-arch": "cnn-1"})
+    scheme_registry.resolve_run(config)  # the defaults are not a change
+
+    # Execute / Assert: a key it would ignore is refused, naming it and the fix
+    with pytest.raises(ConfigError, match="flwr-fedavg' is Flower's unmodified") as info:
+        scheme_registry.resolve_run({**config, **changed})
+    for key in changed:
+        assert repr(key) in str(info.value)
+    assert "strategy='fedavg'" in str(info.value)
+
+
 def test_flwr_fedavg_rounds_can_be_plotted(
     fast_clients: None,
     run_config: Callable[..., dict[str, Any]],

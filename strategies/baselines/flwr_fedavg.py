@@ -25,9 +25,9 @@ from strategies.core.client import ClientAlgorithm
 from strategies.core.context import ServerEnv
 from strategies.core.exchange import wait_for_nodes
 from strategies.core.nodes import NodeInfo
-from strategies.core.registry import Scheme, register_scheme
+from strategies.core.registry import WEIGHT_ONLY_KEYS, Scheme, register_scheme
 from tessera import wire
-from tessera.config import ConfigError, ConfigReader
+from tessera.config import ConfigError, ConfigReader, RunConfig
 from tessera.results import ResultsWriter
 from tessera.training import evaluate_model
 
@@ -206,6 +206,42 @@ class FlowerFedAvgClient(ClientAlgorithm[FlowerFedAvgOptions]):
         return ModelRef(str(self.options.arch))
 
 
+DEFENCE_KEYS = (
+    *WEIGHT_ONLY_KEYS,
+    "trim-fraction",
+    "weight-cap",
+    "weight-trim",
+    "bound-stretch",
+)
+"""Run-config keys of Tessera's aggregation and its bounds, none of which Flower's
+``FedAvg`` reads."""
+
+
+def refuse_defence_keys(run: RunConfig, options: FlowerFedAvgOptions) -> None:
+    """Refuse a changed :data:`DEFENCE_KEYS` key: Flower's ``FedAvg`` would ignore it.
+
+    Flower's strategy weighs each reply by the ``num-examples`` it states and bounds
+    nothing; a user who sets ``aggregator=median`` or ``weight-cap=1`` for it would
+    believe the run defended when it is not.
+
+    Raises
+    ------
+    ConfigError
+        Naming the changed keys and the fix.
+    """
+    from tessera.config.declared import changed_keys
+
+    changed = changed_keys(run.to_dict(), DEFENCE_KEYS)
+    if changed:
+        raise ConfigError(
+            f"run-config {', '.join(repr(k) for k in changed)} set, but 'flwr-fedavg' is "
+            "Flower's unmodified FedAvg (the overhead benchmark's yardstick): it weighs "
+            "each reply by the num-examples it states and bounds nothing, so they would "
+            "be ignored; leave them at their defaults, or use strategy='fedavg' for the "
+            "bounded and checked FedAvg"
+        )
+
+
 SCHEME = register_scheme(
     Scheme(
         name="flwr-fedavg",
@@ -214,5 +250,6 @@ SCHEME = register_scheme(
         parse_options=FlowerFedAvgOptions.parse,
         default_family="cnn",
         description="reference: Flower's built-in FedAvg and round loop (benchmark yardstick)",
+        validate=refuse_defence_keys,
     )
 )
