@@ -157,6 +157,17 @@ def test_string_numbers_are_converted(run_config: RunConfigFactory) -> None:
         ("memory-fraction", 1.5, "(0, 1]"),
         ("output-dir", "  ", "name a folder"),
         ("flat-input", "image", "use one of signal, square"),
+        # values that passed the parse and failed only later (on a client, in a
+        # results path, or with wrong advice)
+        ("norm", "bogus", "use one of batch, static-batch, group, none"),
+        ("sim-device-profiles", "cpu-small,bogus", "bogus is not one"),
+        ("dirichlet-alpha", 1e308, "above the largest accepted 1000000"),
+        ("run-name", "a/../../escape", "without a path separator"),
+        ("run-name", "..", "other than . or .."),
+        ("run-name", "x" * 256, "at most 255 bytes"),
+        ("output-dir", "/tmp/" + "y" * 256, "at most 255 bytes"),
+        ("learning-rate", 10**400, "finite"),
+        ("round-timeout", 10**400, "finite"),
     ],
 )
 def test_invalid_run_config_value_raises_naming_the_key(
@@ -595,3 +606,14 @@ def test_changed_keys_compares_with_the_declared_defaults(tmp_path: Path) -> Non
     values = {"clip-factor": 1.0, "aggregator": "krum", "unknown": 3}
     assert changed_keys(values, ["clip-factor", "aggregator", "unknown"]) == ["aggregator"]
     assert declared_defaults(tmp_path / "missing.toml") is None
+
+
+def test_the_config_s_closed_lists_are_the_registries_names() -> None:
+    # tessera.config sits below models and client_app; its lists of norms and of
+    # simulated device profiles are held to theirs here
+    from client_app.device import PREDEFINED_PROFILES
+    from models import norm
+    from tessera.config.choices import NORMS, SIM_DEVICE_PROFILES
+
+    assert set(NORMS) == set(norm._NORMS)
+    assert set(SIM_DEVICE_PROFILES) == set(PREDEFINED_PROFILES)

@@ -57,3 +57,10 @@ SIM_ENGINES: tuple[SimEngine, ...] = get_args(SimEngine)
 ``sim-engine``, :mod:`tessera.sim_engine`): each one to the engine's queue as it is
 stored, from a store indexed by node; from the indexed store at the engine's next
 sweep (every 0.1 s); or Flower's own store and sweep, untouched."""
+NORMS = ("batch", "static-batch", "group", "none")
+"""The normalisation layers a model can be built with (run-config ``norm``; the
+factories are :mod:`models.norm`'s, which a test holds to this list)."""
+SIM_DEVICE_PROFILES = ("cpu-small", "cpu-medium", "cpu-large", "jetson-orin", "gpu-server")
+"""The device profiles a simulated node can emulate (run-config
+``sim-device-profiles``; the profiles are :mod:`client_app.device`'s, which a test holds
+to this list)."""

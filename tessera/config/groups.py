@@ -11,8 +11,10 @@ from typing import Any, ClassVar, cast
 
 from tessera.config.choices import (
     FLAT_INPUTS,
+    NORMS,
     PARTITIONERS,
     PERSONALISE_MODES,
+    SIM_DEVICE_PROFILES,
     SIM_ENGINES,
     FlatInput,
     Partitioner,
@@ -32,6 +34,34 @@ __all__ = [
     "SchemeConfig",
     "TrainingConfig",
 ]
+
+
+MAX_NAME_BYTES = 255
+"""Longest file or folder name most file systems take (``NAME_MAX``): a longer
+``run-name``, or part of ``output-dir``, fails only when the results are written."""
+
+
+def run_name_problem(name: str) -> str | None:
+    """Return why ``name`` cannot be a run's results folder inside ``output-dir``, or ``None``.
+
+    A run name is one folder name: no path separator (``a/../../x`` would write
+    outside ``output-dir``), not ``.`` or ``..``, no NUL, at most
+    :data:`MAX_NAME_BYTES` bytes.
+
+    >>> run_name_problem("fedavg-seed0") is None
+    True
+    >>> run_name_problem("a/../../escape")
+    'use one folder name, without a path separator'
+    >>> run_name_problem("x" * 300)
+    'use at most 255 bytes'
+    """
+    if any(sep in name for sep in ("/", chr(92))):
+        return "use one folder name, without a path separator"
+    if name.strip() in {".", ".."} or chr(0) in name:
+        return "use a folder name other than . or .., without NUL"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        return f"use at most {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def _key(group: type[Group], f: Field[Any]) -> str:
@@ -102,12 +132,18 @@ class SchemeConfig(Group):
         )
 
     def validate(self) -> None:
-        """Check the round count and the input form."""
+        """Check the round count, the normalisation and the input form."""
         require(
             self.num_server_rounds >= 1,
             "num-server-rounds",
             self.num_server_rounds,
             "use 1 or more rounds",
+        )
+        require(
+            self.norm in NORMS,
+            "norm",
+            self.norm,
+            f"use one of {', '.join(NORMS)}, or leave it empty for the scheme's own",
         )
         require(
             self.flat_input in FLAT_INPUTS,
@@ -379,6 +415,27 @@ class DeploymentConfig(Group):
             "output-dir",
             self.output_dir,
             "name a folder, e.g. results",
+        )
+        require(
+            max(len(part.encode()) for part in self.output_dir.split("/")) <= MAX_NAME_BYTES,
+            "output-dir",
+            self.output_dir,
+            f"name a folder whose every part is at most {MAX_NAME_BYTES} bytes long",
+        )
+        if self.run_name is not None:
+            require(
+                run_name_problem(self.run_name) is None,
+                "run-name",
+                self.run_name,
+                f"{run_name_problem(self.run_name)}, e.g. 'fedavg-dirichlet-seed0'",
+            )
+        unknown = [p for p in self.sim_device_profiles if p not in SIM_DEVICE_PROFILES]
+        require(
+            not unknown,
+            "sim-device-profiles",
+            ",".join(self.sim_device_profiles),
+            f"name profiles among {', '.join(SIM_DEVICE_PROFILES)} ({', '.join(unknown)} "
+            "is not one), or leave it empty",
         )
         require(
             self.sim_engine in SIM_ENGINES,

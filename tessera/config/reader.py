@@ -97,6 +97,12 @@ LIMITS: dict[str, Limit] = {
     # optimiser budgets
     "ensemble-trials": Limit(100_000, "use 1 to 100000 trials per search, e.g. 50"),
     "ensemble-gradient-steps": Limit(10_000_000, "use 1 to 10000000 steps, e.g. 500"),
+    # data
+    "dirichlet-alpha": Limit(
+        1e6,
+        "use a concentration up to 1000000 (past about 1000 every node's label mix is "
+        "the data set's, as with partitioner='iid'), e.g. 0.5",
+    ),
     # attack harness
     "attack-inflate": Limit(10**9, "use a factor of 1 to 1000000000, e.g. 1000"),
     # fractions of a distribution and sub-model widths
@@ -238,7 +244,10 @@ def _convert(raw: Any, kind: type[T]) -> T:
     elif kind is float:
         if isinstance(raw, bool):
             raise ValueError("use a number")
-        value = float(raw)
+        try:
+            value = float(raw)
+        except OverflowError:  # an int past float's range, e.g. 10**400
+            raise ValueError("use a finite number") from None
         if not math.isfinite(value):
             raise ValueError("use a finite number")
     else:
