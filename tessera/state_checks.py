@@ -8,13 +8,15 @@ is checked, and nothing is allocated before its size is bounded:
 - :func:`read_npz` reads an ``.npz`` (a zip of ``.npy`` members) after checking
   every member's declared size against a byte budget, and every ``.npy`` header's
   shape and dtype against the member's size, so a small file cannot make it
-  decompress or allocate gigabytes;
+  decompress or allocate gigabytes; arrays written in the other byte order are
+  returned in this machine's (same values), since torch reads no other;
 - :func:`npy_bytes_problem` does the same for one serialised array (Flower's
-  :class:`~flwr.app.Array` holds ``.npy`` bytes);
+  :class:`~flwr.app.Array` holds ``.npy`` bytes), and refuses one in the other
+  byte order (Flower decodes it as stored, and torch cannot take it);
 - :func:`get_int`, :func:`get_str`, :func:`get_mapping`, :func:`get_list` and
   :func:`positive_float` read typed fields of a decoded JSON tree;
 - :func:`arrays_problem` compares arrays with the ones a model has (names, shapes,
-  dtypes) and checks they are finite.
+  dtypes, byte order) and checks they are finite.
 
 Every failure is a :class:`StateFileError` naming the field and what was expected;
 the caller adds the file and the fix (refuse a checkpoint, discard a node's own
@@ -28,6 +30,7 @@ import math
 import re
 import zipfile
 import zlib
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Final
@@ -41,6 +44,7 @@ __all__ = [
     "SAFE_ID",
     "StateFileError",
     "arrays_problem",
+    "byte_order_problem",
     "dtype_name",
     "get_int",
     "get_list",
@@ -127,7 +131,36 @@ def _read_header(fp: IO[bytes], *, what: str) -> tuple[tuple[int, ...], np.dtype
         raise StateFileError(
             what, f"has dtype {dtype}; only numbers, booleans and strings are read back"
         )
-    return tuple(int(d) for d in shape), dtype, bool(fortran)
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise StateFileError(what, f"declares shape {dims}; dimensions must be >= 0")
+    return dims, dtype, bool(fortran)
+
+
+def byte_order_problem(dtype: np.dtype[Any]) -> str | None:
+    """Say why ``dtype`` is not in this machine's byte order (``None``: it is, or has none).
+
+    numpy names ``>f4`` and ``<f4`` both ``float32``, but torch reads only the native
+    order (``torch.from_numpy`` raises on the other).
+
+    Parameters
+    ----------
+    dtype : numpy.dtype
+        The dtype an array was read with.
+
+    Returns
+    -------
+    str or None
+        The problem (the order found and the dtype expected), or ``None``.
+    """
+    if dtype.isnative:
+        return None
+    order = "big-endian" if dtype.byteorder == ">" else "little-endian"
+    native = dtype.newbyteorder("=")
+    return (
+        f"is {dtype.name} in {order} byte order ({dtype.str}); expected {native.name} in "
+        f"this machine's byte order ({native.str})"
+    )
 
 
 def _nbytes(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
@@ -139,6 +172,8 @@ def npy_bytes_problem(data: bytes, *, shape: tuple[int, ...], dtype: str) -> str
 
     Only the header is parsed: nothing of the declared size is allocated, so the
     bytes can then be decoded (``np.load``) with their size bounded by ``len(data)``.
+    A negative dimension, and an array in the other byte order (``>f4`` is named
+    ``float32`` too, but torch cannot take it), are problems.
 
     Parameters
     ----------
@@ -164,6 +199,9 @@ def npy_bytes_problem(data: bytes, *, shape: tuple[int, ...], dtype: str) -> str
             f"its bytes hold {got_dtype.name} {got_shape} but it is declared as {dtype} "
             f"{tuple(shape)}"
         )
+    order = byte_order_problem(got_dtype)
+    if order is not None:
+        return f"its bytes hold an array that {order}"
     if fp.tell() + _nbytes(got_shape, got_dtype) != len(data):
         return (
             f"its header declares {_nbytes(got_shape, got_dtype)} bytes of data but "
@@ -193,7 +231,10 @@ def _read_member(fp: IO[bytes], size: int, *, what: str) -> np.ndarray:
     if fp.read(1):
         raise StateFileError(what, f"holds more bytes than its shape {shape} of {dtype}")
     array = np.frombuffer(buffer, dtype=dtype, count=math.prod(shape))
-    return array.reshape(shape, order="F" if fortran else "C")
+    array = array.reshape(shape, order="F" if fortran else "C")
+    if not dtype.isnative:  # same values in this machine's order (torch reads no other)
+        array = array.astype(dtype.newbyteorder("="))
+    return array
 
 
 def read_npz(source: bytes | Path, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
@@ -216,7 +257,9 @@ def read_npz(source: bytes | Path, *, max_bytes: int | None = None) -> dict[str,
     Returns
     -------
     dict[str, numpy.ndarray]
-        The arrays by name (``np.load``'s names: the member name without ``.npy``).
+        The arrays by name (``np.load``'s names: the member name without ``.npy``),
+        in this machine's byte order (an array stored in the other is converted,
+        losslessly).
 
     Raises
     ------
@@ -231,7 +274,7 @@ def read_npz(source: bytes | Path, *, max_bytes: int | None = None) -> dict[str,
         handle: IO[bytes] = io.BytesIO(source) if isinstance(source, bytes) else source.open("rb")
         with handle, zipfile.ZipFile(handle) as archive:
             members = archive.infolist()
-            names = [m.filename for m in members]
+            counts = Counter(m.filename for m in members)
             declared = sum(m.file_size for m in members)
             if declared > budget:
                 raise StateFileError(
@@ -241,7 +284,7 @@ def read_npz(source: bytes | Path, *, max_bytes: int | None = None) -> dict[str,
                 )
             for member in members:
                 name = member.filename
-                if not name.endswith(".npy") or names.count(name) > 1:
+                if not name.endswith(".npy") or counts[name] > 1:
                     raise StateFileError(
                         name, "is not a single .npy array (the file was not written by np.savez)"
                     )
@@ -403,6 +446,10 @@ def arrays_problem(
 ) -> StateFileError | None:
     """Compare decoded arrays with a model's own (names, shapes, dtypes) and check finiteness.
 
+    An array in the other byte order is a problem too (numpy names ``>f4``
+    ``float32``, but ``torch.from_numpy`` refuses it); :func:`read_npz` never
+    returns one.
+
     Parameters
     ----------
     arrays : Any
@@ -440,6 +487,9 @@ def arrays_problem(
                 field,
                 f"is {value.dtype.name} {tuple(value.shape)} but the model has {dtype} {shape}",
             )
+        order = byte_order_problem(value.dtype)
+        if order is not None:
+            return StateFileError(field, order)
         if value.dtype.kind in "fc" and not bool(np.isfinite(value).all()):
             return StateFileError(field, "holds NaN or infinite values")
     return None

@@ -1173,3 +1173,163 @@ def test_a_node_whose_own_data_file_cache_claims_more_classes_rebuilds_it(
     assert reply.content.metric_records[wire.METRICS][wire.NUM_EXAMPLES] == 48
     with np.load(entry) as npz:
         assert int(npz["num_classes"]) == 10
+
+
+# ===================================================== byte order, shapes, members
+# numpy names ``>f4`` and ``<f4`` both ``float32``, but torch reads only the native
+# order: a file holding the other must be converted on read or refused, never used.
+OTHER_F4 = np.dtype(np.float32).newbyteorder("S")
+"""float32 in the byte order this machine does not use (``>f4`` on x86 and ARM)."""
+
+
+def other_order(array: np.ndarray) -> np.ndarray:
+    """The same values stored in the byte order this machine does not use."""
+    return array.astype(array.dtype.newbyteorder("S"))
+
+
+def test_read_npz_returns_arrays_of_the_other_byte_order_in_the_native_one() -> None:
+    # Prepare
+    buffer = io.BytesIO()
+    w = np.array([[1.5, -2.0, 3.25]], np.float32)
+    ids = np.asfortranarray(np.array([[1, 2], [3, 4]], np.int64))
+    np.savez(buffer, w=other_order(w), ids=other_order(ids))  # type: ignore[arg-type]
+
+    # Execute
+    back = read_npz(buffer.getvalue())
+
+    # Assert: the same values, in the order torch reads
+    assert back["w"].dtype == np.float32 and back["w"].dtype.isnative
+    assert back["ids"].dtype == np.int64 and back["ids"].dtype.isnative
+    np.testing.assert_array_equal(back["w"], [[1.5, -2.0, 3.25]])
+    np.testing.assert_array_equal(back["ids"], [[1, 2], [3, 4]])
+    assert torch.from_numpy(back["w"]).tolist() == [[1.5, -2.0, 3.25]]
+
+
+def test_a_checkpoint_of_the_other_byte_order_is_restored_in_the_native_one(
+    tmp_path: Path,
+) -> None:
+    # Prepare: group weights and a scheme's entry written big-endian (on x86)
+    group = {"w": other_order(np.full((2, 3), 0.5, np.float32)), "b": other_order(GOOD_GROUP["b"])}
+    tree = saved_tree(
+        tmp_path,
+        {"group_models": {"arrays": {"cnn": group}}, "targets": {"ids": other_order(np.arange(3))}},
+    )
+    models = GroupModels(get_aggregator("mean"), two_by_three)
+
+    # Execute
+    models.load_state_dict(tree["group_models"])
+    ids = checked_array(tree["targets"], "ids", shape=(3,), kinds="iu")
+
+    # Assert: usable by torch, values unchanged
+    w = models.arrays["cnn"]["w"]
+    assert w.dtype.isnative and torch.from_numpy(w).sum().item() == 3.0
+    assert ids.dtype.isnative and torch.from_numpy(ids).tolist() == [0, 1, 2]
+
+
+def test_arrays_problem_refuses_an_array_of_the_other_byte_order() -> None:
+    # Prepare
+    expected = {"w": torch.zeros(2, 3)}
+
+    # Execute
+    problem = arrays_problem({"w": np.ones((2, 3), OTHER_F4)}, expected, where="g")
+
+    # Assert: the field, what it is and the dtype expected
+    assert problem is not None and problem.field == "g.w"
+    assert re.search(
+        r"is float32 in \w+-endian byte order .*; expected float32 in this", str(problem)
+    )
+
+
+def test_npy_bytes_problem_refuses_the_other_byte_order_and_negative_dimensions() -> None:
+    # Prepare: a header declaring shape (-2, -2), which math.prod makes 4 values
+    other = npy_bytes(np.ones((2, 3), OTHER_F4))
+    negative = io.BytesIO()
+    header = {"descr": "<f4", "fortran_order": False, "shape": (-2, -2)}
+    np.lib.format.write_array_header_1_0(negative, header)
+
+    # Execute
+    order = npy_bytes_problem(other, shape=(2, 3), dtype="float32")
+    dims = npy_bytes_problem(negative.getvalue() + b"\0" * 16, shape=(-2, -2), dtype="float32")
+
+    # Assert
+    assert order is not None and "expected float32 in this machine's byte order" in order
+    assert dims is not None and "shape (-2, -2); dimensions must be >= 0" in dims
+
+
+@pytest.mark.parametrize(
+    ("array", "problem"),
+    [
+        (
+            Array(
+                dtype="float32",
+                shape=(2, 3),
+                stype="numpy.ndarray",
+                data=npy_bytes(np.ones((2, 3), OTHER_F4)),
+            ),
+            "byte order",
+        ),
+        (
+            Array(
+                dtype="float32",
+                shape=(-2, -2),
+                stype="numpy.ndarray",
+                data=lying_npy((-2, -2), b"\0" * 16),
+            ),
+            "dimensions must be >= 0",
+        ),
+    ],
+    ids=["other byte order", "negative dimensions"],
+)
+def test_a_node_state_array_torch_cannot_take_is_discarded_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, array: Array, problem: str
+) -> None:
+    # Prepare: the node saved it and restarted
+    state = _open(tmp_path, "fed-a")
+    state.put("tessera.model", ArrayRecord({"w": array}))
+    state.save(2)
+    in_memory = NodeState(RecordDict())
+    in_memory.put("tessera.model", ArrayRecord({"w": array}))
+
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="flwr.tessera"):
+        again = _open(tmp_path, "fed-a")
+        fitting = in_memory.fitting_arrays("tessera.model", like={"w": torch.zeros(2, 3)})
+
+    # Assert: the file is not used, the record is forgotten, both said so
+    assert not again.restored_from_disk and again.arrays("tessera.model") is None
+    assert fitting is None and in_memory.arrays("tessera.model") is None
+    assert any(
+        "is malformed" in r.getMessage() and problem in r.getMessage() for r in caplog.records
+    )
+    assert problem in str(record_problem(ArrayRecord({"w": array})))
+
+
+def test_an_artifact_of_the_other_byte_order_predicts_as_the_native_one(artifact: Path) -> None:
+    from strategies.ensemble.artifact import load_ensemble
+
+    # Prepare: every model weight and alpha written in the other byte order
+    def swap(entries: dict[str, np.ndarray]) -> None:
+        for name, value in list(entries.items()):
+            if name != "manifest":
+                entries[name] = other_order(value)
+
+    swapped = edited(artifact, arrays=swap)
+    x = np.random.default_rng(0).normal(size=(6, 1, 8, 8)).astype(np.float32)
+
+    # Execute
+    labels = load_ensemble(swapped).predict(x)
+
+    # Assert
+    np.testing.assert_array_equal(labels, load_ensemble(artifact).predict(x))
+
+
+def test_a_duplicate_member_is_still_refused() -> None:
+    # Prepare: two members named a0.npy (np.savez never writes that)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive, pytest.warns(UserWarning, match="Duplicate"):
+        archive.writestr("a0.npy", npy_bytes(np.zeros(1, np.float32)))
+        archive.writestr("a0.npy", npy_bytes(np.ones(1, np.float32)))
+
+    # Execute / Assert
+    with pytest.raises(StateFileError, match=r"'a0.npy' is not a single .npy array"):
+        read_npz(buffer.getvalue())

@@ -404,12 +404,13 @@ def load_ensemble(path: str | Path, *, device: str | torch.device = "cpu") -> En
             norm=manifest.norm,
             **manifest.model_kwargs,
         )
-        state = {k: torch.from_numpy(v) for k, v in weights[i].items()}
         try:
+            state = {k: torch.from_numpy(v) for k, v in weights[i].items()}
             model.load_state_dict(state, strict=False)
-        except RuntimeError as err:
+        except (RuntimeError, TypeError, ValueError) as err:
             raise ArtifactError(
-                f"{file}: the weights of model {i} ({arch}) do not fit: {err}"
+                f"{file}: the weights of model {i} ({arch}) do not fit: {err}; export it "
+                "again from the run's checkpoint, or give the ensemble.npz of an intact run"
             ) from err
         models.append(model.to(device).eval())
     return Ensemble(
