@@ -3,7 +3,8 @@
 Message types handled:
 
 - ``query.handshake``: probe the device (or take the emulated/forced profile), load
-  this node's data, choose the largest architecture that fits, and report all of it.
+  this node's data (a cached entry that does not fit the run's dataset is rebuilt),
+  choose the largest architecture that fits, and report all of it.
 - ``train``: train the architecture the server names with the scheme's local
   objective, evaluate on the node's own test split, reply with the scheme's records.
 - ``evaluate``: evaluate received weights on the local test split (used by
@@ -13,7 +14,10 @@ What persists across rounds lives in ``context.state`` (SuperNode memory, per ru
 wrapped by :class:`~tessera.node_state.NodeState`: the device profile, the
 personalised model of schemes that keep one, and scheme state (FedHeNN's probe RAD).
 With node-config ``state-dir`` it is also written to disk after every round and
-reloaded after the SuperNode or its device restarts.
+reloaded after the SuperNode or its device restarts. A stored record its reader
+cannot use (a device profile lacking a key, :func:`node_record_problem`) is
+forgotten with a warning and rebuilt: the node never fails every round because of
+what it stored.
 
 The per-round flow is the scheme's client lifecycle
 (:class:`~strategies.core.client.ClientAlgorithm`); :func:`train_round` drives it for
@@ -35,7 +39,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from client_app.attacks import with_attack
-from client_app.device import DeviceProfile, resolve_profile
+from client_app.device import DeviceProfile, DeviceProfileError, resolve_profile
 from client_app.personalise import with_personalisation
 from strategies.core.client import (
     STATE_MODEL,
@@ -56,6 +60,7 @@ from tessera.data import (
     node_local_data,
     node_partition_data,
 )
+from tessera.data.spec import known_task
 from tessera.node_state import NodeState
 from tessera.phases import (
     CLIENT_PHASES,
@@ -240,6 +245,25 @@ def _announced_task(config: ConfigRecord) -> tuple[int | None, tuple[int, ...] |
     return num_classes, input_shape
 
 
+def _handshake_task(
+    run: RunConfig, config: ConfigRecord
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """Return the class count and input shape a node's cached data must fit at the handshake.
+
+    The server's announcement (:func:`_announced_task`) when the handshake carries
+    one; else the task of the run config's dataset when it is known without loading
+    it (:func:`~tessera.data.spec.known_task`: the digits, the hub datasets of the
+    short names); else ``None`` (not checked: the cache entry's own bounds still
+    hold, :mod:`tessera.data.cache_entry`). A cached entry of another shape or more
+    classes is discarded and rebuilt with a warning, as in a train round.
+    """
+    num_classes, input_shape = _announced_task(config)
+    if num_classes is not None:
+        return num_classes, input_shape
+    task = known_task(run.data.dataset)
+    return (None, None) if task is None else (task.num_classes, task.input_shape)
+
+
 def _task_shape(config: ConfigRecord, data: NodeData) -> tuple[int, tuple[int, ...]]:
     """Return the federation's class count and input shape, checked against the data."""
     num_classes, input_shape = _announced_task(config)
@@ -271,13 +295,45 @@ def open_node_state(context: Context, node: NodeConfig, config: ConfigRecord) ->
     )
 
 
+def _stored_profile(record: ConfigRecord) -> DeviceProfile:
+    """Read the device profile kept in a :data:`STATE_NODE` record (its ``device-*`` keys).
+
+    Raises
+    ------
+    DeviceProfileError
+        If a key is missing or a value has the wrong type or range.
+    """
+    prefix = "device-"
+    return DeviceProfile.from_dict(
+        {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
+    )
+
+
+def node_record_problem(record: ConfigRecord) -> str | None:
+    """Say why a stored :data:`STATE_NODE` record is malformed (``None``: it is not)."""
+    try:
+        _stored_profile(record)
+    except DeviceProfileError as err:
+        return str(err)
+    return None
+
+
+def stored_profile(state: NodeState) -> DeviceProfile | None:
+    """Return the device profile the handshake kept in the node state (``None``: none).
+
+    A malformed record (a damaged file, one an older version wrote) is forgotten
+    with a warning (:meth:`~tessera.node_state.NodeState.checked_config`), so the
+    node measures its device again instead of failing every round.
+    """
+    record = state.checked_config(STATE_NODE, node_record_problem)
+    return None if record is None else _stored_profile(record)
+
+
 def _profile(node: NodeConfig, state: NodeState) -> DeviceProfile:
-    stored = state.config(STATE_NODE)
+    stored = stored_profile(state)
     if stored is not None:
-        return DeviceProfile.from_dict(
-            {k[len("device-") :]: v for k, v in stored.items() if k.startswith("device-")}
-        )
-    # No handshake state (e.g. the SuperNode restarted without state-dir): probe.
+        return stored
+    # No (usable) handshake state, e.g. the SuperNode restarted without state-dir: probe.
     return resolve_profile(node.device_profile, None, node.partition_id, benchmark=True)
 
 
@@ -303,13 +359,14 @@ def handshake(msg: Message, context: Context) -> Message:
     run, client = resolve(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
     algorithm = with_attack(client, run, node)
-    data = load_node_data(run, node)
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
+    expect_classes, expect_shape = _handshake_task(run, config)
+    data = load_node_data(run, node, expect_shape=expect_shape, expect_classes=expect_classes)
     simulated = bool(config.get("simulation", False))
     state = open_node_state(context, node, config)
-    stored = state.config(STATE_NODE)
-    if stored is not None and state.restored_from_disk:
-        profile = _profile(node, state)
+    stored = stored_profile(state) if state.restored_from_disk else None
+    if stored is not None:
+        profile = stored
         log.info("node %s: profile %s restored from node state", context.node_id, profile.name)
     else:
         profile = resolve_profile(

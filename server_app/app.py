@@ -107,6 +107,8 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
     Server
         The runner and its environment. With run-config ``resume`` the results
         folder is the one named there, and the runner continues from its checkpoint.
+        The folder is created, and on resume ``metrics.jsonl`` cut back to the
+        checkpoint's round, only once the config and the checkpoint are accepted.
 
     Raises
     ------
@@ -145,17 +147,19 @@ def build_server(run_config: Mapping[str, Any], *, bundle: DataBundle | None = N
         server_pool=server_pool,
         family=family,
     )
-    state: dict[str, Any] | None = None
+    state: Mapping[str, Any] | None = None
     if run.deployment.resume is not None:
         try:
-            writer, state = ResultsWriter.resume(Path(run.deployment.resume))
+            writer, state = ResultsWriter.reopen(Path(run.deployment.resume))
         except CheckpointError as err:
             raise ConfigError(str(err)) from err
     else:
-        writer = ResultsWriter(results_dir(run))
+        writer = ResultsWriter(results_dir(run), create=False)
     runner: ServerRunner = scheme.server(env=env, options=options, results=writer)
     if state is not None:
-        runner.load_state_dict(state)
+        runner.load_state_dict(state)  # refuses a bad checkpoint before anything is written
+        writer.cut_metrics()
+    writer.create()
     return Server(runner=runner, env=env, writer=writer, dataset_name=bundle.name)
 
 

@@ -18,15 +18,18 @@ What is read back is checked before use, and a node never fails every round
 because of what it stored: a file that cannot be decoded, whose records are
 malformed (an array whose bytes do not hold its declared shape and dtype, a
 metadata record of the wrong types) or that belongs elsewhere is ignored with a
-warning, and :meth:`NodeState.fitting_arrays` forgets a stored model that no longer
+warning, :meth:`NodeState.fitting_arrays` forgets a stored model that no longer
 fits (other names, shapes or dtypes, or NaN) with a warning, so the node starts it
-afresh.
+afresh, and :meth:`NodeState.checked_config` forgets a config record its reader
+finds malformed (a device profile lacking a key, a round count that is text) with a
+warning, so the node rebuilds it (measures its device again, counts its rounds
+afresh).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,9 @@ log = logging.getLogger("flwr.tessera")
 META = "tessera.state-meta"
 """ConfigRecord: ``federation``, ``owner``, ``round`` (last round saved)."""
 FILE_NAME = "node-state.pb"
+
+RecordCheck = Callable[[ConfigRecord], str | None]
+"""Says why a stored :class:`ConfigRecord` is malformed (``None``: it is not)."""
 
 
 def check_federation_id(value: str) -> str:
@@ -274,6 +280,46 @@ class NodeState:
     def config(self, name: str) -> ConfigRecord | None:
         """Return the ConfigRecord ``name``, or ``None``."""
         return self.records.config_records.get(name)
+
+    def checked_config(
+        self, name: str, check: RecordCheck, *, forget: Sequence[str] = ()
+    ) -> ConfigRecord | None:
+        """Return the ConfigRecord ``name`` if ``check`` accepts it; else forget it and say so.
+
+        A stored record its reader cannot use (a key missing, a value of the wrong
+        type or range: a damaged file, a record an older version wrote) would make
+        the node fail every round, for ever: it is removed, with the records
+        ``forget`` that depend on it, and a warning is logged, so the node rebuilds
+        it.
+
+        Parameters
+        ----------
+        name : str
+            The record.
+        check : RecordCheck
+            Says why the record is malformed (``None``: it is not); it must not raise.
+        forget : Sequence[str]
+            Records removed with it (those it describes).
+
+        Returns
+        -------
+        ConfigRecord or None
+            The record, or ``None`` if there is none or it was forgotten.
+        """
+        record = self.config(name)
+        if record is None:
+            return None
+        problem = check(record)
+        if problem is None:
+            return record
+        log.warning(
+            "node state: stored '%s' is malformed (%s); discarding it and rebuilding it",
+            name,
+            problem,
+        )
+        for gone in (name, *forget):
+            self.remove(gone)
+        return None
 
     def put(self, name: str, record: ArrayRecord | ConfigRecord) -> None:
         """Store a record under ``name`` (replacing any)."""

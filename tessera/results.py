@@ -8,8 +8,9 @@ Layout of ``<output-dir>/<run-name>/``:
   end of every round, so a crash loses at most the round in flight.
 - ``checkpoint.npz``: the server's state after the last checkpointed round
   (:mod:`tessera.checkpoint`), from which run-config ``resume=<folder>`` continues;
-  on resume, ``metrics.jsonl`` is cut back to the checkpoint's round (rounds after
-  it are run again) and appended to, so every round appears exactly once.
+  on resume, once the checkpoint is accepted, ``metrics.jsonl`` is cut back to its
+  round (rounds after it are run again) and appended to, so every round appears
+  exactly once; a refused checkpoint leaves the folder as it was.
 - ``summary.json``: final figures, written at the end.
 - ``accuracy.png``, ``bytes.png``, ``label_distribution.png``.
 """
@@ -25,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from tessera.checkpoint import CheckpointError, load_state, refusal, save_state
+from tessera.checkpoint import CheckpointError, StateTree, load_state, refusal, save_state
+from tessera.config import MAX_ROUNDS
 from tessera.state_checks import StateFileError, get_int
 
 CHECKPOINT = "checkpoint.npz"
@@ -123,9 +125,13 @@ class ResultsWriter:
         ``<output-dir>/<run-name>``; created if missing. A folder that already
         holds a non-empty ``metrics.jsonl`` raises, so that runs never mix (use
         :meth:`resume` to continue one).
+    create : bool, optional
+        Whether to create the folder now; ``False`` leaves it to :meth:`create`,
+        called once the run is accepted (the ServerApp's build), so a refused run
+        leaves no empty folder behind.
     """
 
-    def __init__(self, directory: Path, *, _resuming: bool = False) -> None:
+    def __init__(self, directory: Path, *, create: bool = True, _resuming: bool = False) -> None:
         self.directory = directory.resolve()
         metrics = self.directory / "metrics.jsonl"
         if not _resuming and metrics.exists() and metrics.stat().st_size > 0:
@@ -134,30 +140,37 @@ class ResultsWriter:
                 "run-config 'run-name', remove the folder, or continue it with "
                 f"run-config resume='{self.directory}'"
             )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.create()
         self.metrics_path = metrics
         self.checkpoint_path = self.directory / CHECKPOINT
         self.rounds: list[dict[str, Any]] = []
 
-    @classmethod
-    def resume(cls, directory: Path) -> tuple[ResultsWriter, dict[str, Any]]:
-        """Reopen a run's folder to continue it from its checkpoint.
+    def create(self) -> None:
+        """Create the results folder (once the run is accepted, with ``create=False``)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
 
-        ``metrics.jsonl`` keeps the rounds up to the checkpoint's (later ones, written
-        after the last checkpoint, are dropped: they will run again).
+    @classmethod
+    def reopen(cls, directory: Path) -> tuple[ResultsWriter, StateTree]:
+        """Read a run's folder to continue it from its checkpoint; rewrite nothing yet.
+
+        The writer's ``rounds`` hold the records of ``metrics.jsonl`` up to the
+        checkpoint's round; once the checkpoint is accepted (the scheme's
+        ``load_state_dict``), :meth:`cut_metrics` drops the later ones from the file.
 
         Returns
         -------
-        tuple[ResultsWriter, dict[str, Any]]
-            The writer (its ``rounds`` hold the kept records) and the checkpoint.
+        tuple[ResultsWriter, StateTree]
+            The writer and the checkpoint.
 
         Raises
         ------
         CheckpointError
             If the folder has no readable checkpoint, its ``round`` is not an
-            integer >= 0, or a complete line of ``metrics.jsonl`` is not a round
-            record (an object whose ``round`` is an integer >= 0); the message names
-            the file, the field and the fix. Nothing is rewritten then.
+            integer from 0 to :data:`~tessera.config.MAX_ROUNDS`, or a complete
+            line of ``metrics.jsonl`` is not a round record (an object whose
+            ``round`` is an integer >= 0); the message names the file, the field
+            and the fix.
         """
         folder = Path(directory).expanduser().resolve()
         if not (folder / CHECKPOINT).is_file():
@@ -168,12 +181,46 @@ class ResultsWriter:
         state = load_state(folder / CHECKPOINT)
         try:
             last = get_int(state, "round", default=0)
+            if last > MAX_ROUNDS:
+                raise StateFileError(
+                    "round", f"is {last}; expected at most {MAX_ROUNDS}, the most rounds a run has"
+                )
         except StateFileError as err:
             raise refusal(state, err) from err
-        writer = cls(folder, _resuming=True)
-        kept = _records_up_to(writer.metrics_path, last)
-        _write_atomic(writer.metrics_path, "".join(dumps(r) + "\n" for r in kept))
-        writer.rounds = kept
+        writer = cls(folder, create=False, _resuming=True)
+        writer.rounds = _records_up_to(writer.metrics_path, last)
+        return writer, state
+
+    def cut_metrics(self) -> None:
+        """Rewrite ``metrics.jsonl`` with :attr:`rounds` only (atomically).
+
+        On resume, once the checkpoint is accepted: the rounds after it, written
+        before the crash, are dropped (they run again).
+        """
+        _write_atomic(self.metrics_path, "".join(dumps(r) + "\n" for r in self.rounds))
+
+    @classmethod
+    def resume(cls, directory: Path) -> tuple[ResultsWriter, StateTree]:
+        """Reopen a run's folder and cut ``metrics.jsonl`` back to its checkpoint.
+
+        :meth:`reopen`, then :meth:`cut_metrics`: ``metrics.jsonl`` keeps the rounds
+        up to the checkpoint's (later ones, written after the last checkpoint, are
+        dropped: they will run again). Only for a checkpoint already accepted: a
+        caller that still checks it (the ServerApp's build) calls :meth:`reopen`,
+        checks, then :meth:`cut_metrics`.
+
+        Returns
+        -------
+        tuple[ResultsWriter, StateTree]
+            The writer (its ``rounds`` hold the kept records) and the checkpoint.
+
+        Raises
+        ------
+        CheckpointError
+            As :meth:`reopen`. Nothing is rewritten then.
+        """
+        writer, state = cls.reopen(directory)
+        writer.cut_metrics()
         return writer, state
 
     def write_checkpoint(self, state: Mapping[str, Any]) -> int:

@@ -112,10 +112,52 @@ class FedAvgStrategy(FedAvgGroupsStrategy[FedAvgOptionsT]):
         return {**super().state_dict(), "shared_arch": self.shared_arch}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the groups' state and the shared architecture."""
+        """Restore the groups' state and the shared architecture, checked.
+
+        ``shared_arch`` must be ``None`` (not chosen yet) or a registered model
+        whose weights the group models hold.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError
+
+        try:
+            shared = checked_shared_arch(state)
+        except StateFileError as err:
+            raise refusal(state, err) from err
         super().load_state_dict(state)
-        shared = state.get("shared_arch")
-        self.shared_arch = None if shared is None else str(shared)
+        if shared is not None and shared not in self.models.arrays and self.completed_round >= 1:
+            raise refusal(
+                state,
+                StateFileError(
+                    "shared_arch",
+                    f"is '{shared}', whose weights field 'group_models.arrays' does not hold",
+                ),
+            )
+        self.shared_arch = shared
+
+
+def checked_shared_arch(state: Mapping[str, Any]) -> str | None:
+    """Return checkpoint entry ``shared_arch``: ``None`` or a registered model's name.
+
+    Raises
+    ------
+    StateFileError
+        If it is neither.
+    """
+    from models import list_models
+    from tessera.state_checks import StateFileError, get_str
+
+    if state.get("shared_arch") is None:
+        return None
+    shared = get_str(state, "shared_arch")
+    if shared not in list_models():
+        raise StateFileError("shared_arch", f"is '{shared}', which is not a registered model")
+    return shared
 
 
 class FedAvgClient(ClientAlgorithm[FedAvgOptionsT]):

@@ -10,7 +10,7 @@ from flwr.app import RecordDict
 
 from strategies.core.client import ClientAlgorithm
 from strategies.core.context import RoundContext
-from strategies.core.groups import GroupModels, GroupRound, fold_weights
+from strategies.core.groups import GroupModels, GroupRound, fold_weights, required_entry
 from strategies.core.registry import Scheme, no_options, register_scheme
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
@@ -72,9 +72,21 @@ class FedAvgGroupsStrategy(HeteroStrategy[GroupOptionsT]):
         return {**super().state_dict(), "group_models": self.models.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the base state and the group models."""
+        """Restore the base state and the group models (entry ``group_models``).
+
+        The entry is required, and after a round it must hold at least one group
+        (:meth:`~strategies.core.groups.GroupModels.load_state_dict`): a run must
+        never resume at round N with fresh weights.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
         super().load_state_dict(state)
-        self.models.load_state_dict(state.get("group_models", {}))
+        self.models.load_state_dict(
+            required_entry(state, "group_models"), nonempty=self.completed_round >= 1
+        )
 
 
 SCHEME = register_scheme(

@@ -228,8 +228,9 @@ class ClientAlgorithm(Generic[OptionsT]):
         architecture); otherwise the fresh initialisation. A stored personal model
         that no longer fits the model (other names, shapes or dtypes, or NaN) is
         discarded with its metadata and a warning
-        (:meth:`~tessera.node_state.NodeState.fitting_arrays`), so the node starts
-        afresh instead of failing every round.
+        (:meth:`~tessera.node_state.NodeState.fitting_arrays`), and so is one whose
+        metadata is malformed (:func:`stored_model_meta`), so the node starts afresh
+        instead of failing every round.
 
         Returns
         -------
@@ -241,8 +242,8 @@ class ClientAlgorithm(Generic[OptionsT]):
             return "server"
         if not self.keeps_personal_model:
             return "fresh"
+        meta = stored_model_meta(state)
         stored = state.arrays(STATE_MODEL)
-        meta = state.config(STATE_MODEL_META)
         if stored is None or meta is None:
             return "fresh"
         if str(meta.get("arch")) != rnd.arch:
@@ -302,10 +303,41 @@ class ClientAlgorithm(Generic[OptionsT]):
             state.put(STATE_MODEL_META, ConfigRecord({"arch": rnd.arch, "rounds": rounds}))
 
 
+def model_meta_problem(meta: ConfigRecord) -> str | None:
+    """Say why a stored :data:`STATE_MODEL_META` record is malformed (``None``: it is not).
+
+    It must name the model (``arch``, text) and may count the rounds it has trained
+    (``rounds``, a whole number >= 0; none counts as 0), as
+    :meth:`ClientAlgorithm.save_state` writes it.
+    """
+    arch = meta.get("arch")
+    if not isinstance(arch, str) or not arch:
+        return f"its 'arch' is {arch!r}, not a model name"
+    if "rounds" not in meta:
+        return None
+    try:
+        rounds = wire.int_value(meta, "rounds")
+    except ValueError as err:
+        return str(err)
+    if rounds < 0:
+        return f"its 'rounds' is {rounds}, below 0"
+    return None
+
+
+def stored_model_meta(state: NodeState) -> ConfigRecord | None:
+    """Return the stored personal model's metadata if well formed (:func:`model_meta_problem`).
+
+    Malformed metadata is forgotten with the model it describes and a warning
+    (:meth:`~tessera.node_state.NodeState.checked_config`): the node starts its
+    personal model, and its round count, afresh instead of failing every round.
+    """
+    return state.checked_config(STATE_MODEL_META, model_meta_problem, forget=(STATE_MODEL,))
+
+
 def personal_rounds(state: NodeState, arch: str) -> int:
     """Return the rounds the stored personal model of ``arch`` has trained (0 if none)."""
-    meta = state.config(STATE_MODEL_META)
-    if meta is None or str(meta.get("arch")) != arch:
+    meta = stored_model_meta(state)
+    if meta is None or meta["arch"] != arch:
         return 0
     return wire.int_value(meta, "rounds") if "rounds" in meta else 0
 

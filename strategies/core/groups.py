@@ -14,7 +14,7 @@ global weights stay as they were.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -364,17 +364,33 @@ class GroupModels:
             state["cohort"] = dict(self.relative)
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        *,
+        required: Collection[str] = (),
+        nonempty: bool = False,
+    ) -> None:
         """Restore :meth:`state_dict`, after checking all of it against the architectures.
 
-        Each group's arrays must have exactly the names, shapes and dtypes of
-        ``initial(arch)`` and be finite; each median distance must be an entry kind
-        (``"parameters"``, ``"statistics"``) of a restored group mapped to a finite
-        number > 0 and at most :data:`~tessera.state_checks.MEDIAN_LIMIT` times the
-        norm of the group's weights (at least 1), so a restored clip bound is
+        ``state`` must be a mapping. Each group's arrays must have exactly the names,
+        shapes and dtypes of ``initial(arch)`` and be finite; each median distance
+        must be a scale key of a restored group mapped to a finite number > 0 and at
+        most :data:`~tessera.state_checks.MEDIAN_LIMIT` times the norm of the group's
+        weights (at least 1, :func:`checked_medians`), so a restored clip bound is
         never switched off; the cohort's scale (relative to a model's norm) must map
         entry kinds to finite numbers > 0 and at most ``MEDIAN_LIMIT``. Nothing is
         restored unless everything passes.
+
+        Parameters
+        ----------
+        state : Mapping[str, Any]
+            The checkpoint entry (``group_models``, read back).
+        required : Collection[str], optional
+            Groups the entry must hold (a sub-model scheme's global model).
+        nonempty : bool, optional
+            Whether the entry must hold at least one group (a checkpoint written
+            after a round holds the weights of every group its nodes trained).
 
         Raises
         ------
@@ -392,8 +408,12 @@ class GroupModels:
         )
 
         where = field_of(state, "group_models")
-        legacy = "arrays" not in state  # older checkpoints hold the arrays only
         try:
+            if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+                raise StateFileError(
+                    where, f"is {type(state).__name__}; expected a mapping of the group models"
+                )
+            legacy = "arrays" not in state  # older checkpoints hold the arrays only
             groups = state if legacy else get_mapping(state, "arrays", where=where)
             arrays: dict[str, dict[str, np.ndarray]] = {}
             for arch, group in groups.items():
@@ -408,6 +428,20 @@ class GroupModels:
                 if problem is not None:
                     raise problem
                 arrays[arch] = {str(k): np.asarray(v) for k, v in group.items()}
+            held = where if legacy else f"{where}.arrays"
+            absent = sorted(set(required) - set(arrays))
+            if absent:
+                raise StateFileError(
+                    held,
+                    f"holds no weights of {absent} (it holds {sorted(arrays)}); a "
+                    "checkpoint written after a round holds them",
+                )
+            if nonempty and not arrays:
+                raise StateFileError(
+                    held,
+                    "holds no group's weights; a checkpoint written after a round holds "
+                    "those of every group its nodes trained",
+                )
             reports: dict[str, AccumulatorReport] = {}
             saved = {} if legacy else get_mapping(state, "medians", where=where, default={})
             for arch in saved:
@@ -415,27 +449,9 @@ class GroupModels:
                 if arch not in arrays:
                     raise StateFileError(field, f"is for '{arch}', which has no arrays")
                 kinds = get_mapping(saved, arch, where=f"{where}.medians")
-                norm = float(
-                    np.sqrt(
-                        sum(np.sum(np.square(v, dtype=np.float64)) for v in arrays[arch].values())
-                    )
+                reports[arch] = AccumulatorReport(
+                    medians=checked_medians(kinds, field=field, arrays=arrays[arch])
                 )
-                limit = MEDIAN_LIMIT * max(1.0, norm)
-                restored: dict[str, float] = {}
-                size = sum(int(np.asarray(v).size) for v in arrays[arch].values())
-                for kind, value in kinds.items():
-                    try:
-                        entry, covered = parse_scale_key(str(kind))
-                    except ValueError as err:
-                        raise StateFileError(f"{field}.{kind}", str(err)) from err
-                    if entry not in MEDIAN_KINDS or (covered is not None and covered > size):
-                        raise StateFileError(
-                            f"{field}.{kind}",
-                            f"is not a scale key; expected one of {MEDIAN_KINDS}, optionally "
-                            f"with @all or @<covered elements, at most {size}>",
-                        )
-                    restored[kind] = positive_float(value, where=f"{field}.{kind}", maximum=limit)
-                reports[arch] = AccumulatorReport(medians=restored)
             relative: dict[str, float] = {}
             scales = {} if legacy else get_mapping(state, "cohort", where=where, default={})
             for kind, value in scales.items():
@@ -450,6 +466,63 @@ class GroupModels:
         self.arrays = arrays
         self.reports = reports
         self.relative = relative
+
+
+def weights_norm(arrays: Mapping[str, np.ndarray]) -> float:
+    """Return the L2 norm of all of ``arrays`` together (in float64)."""
+    return float(
+        np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in arrays.values()))
+    )
+
+
+def checked_medians(
+    kinds: Mapping[str, Any], *, field: str, arrays: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+    """Return a checkpoint's median distances of one model, checked against its weights.
+
+    Each key must be a scale key (:func:`~strategies.core.scales.parse_scale_key`) of
+    an entry kind of :data:`~tessera.state_checks.MEDIAN_KINDS`, covering at most
+    the model's number of elements, and each value a finite number > 0 and at most
+    :data:`~tessera.state_checks.MEDIAN_LIMIT` times the norm of ``arrays`` (at
+    least 1), so a restored clip bound is never switched off.
+
+    Parameters
+    ----------
+    kinds : Mapping[str, Any]
+        Scale key to median distance, as read back.
+    field : str
+        Where ``kinds`` sits in the checkpoint (``group_models.medians.cnn-1``).
+    arrays : Mapping[str, np.ndarray]
+        The (already checked) weights the distances were measured on.
+
+    Returns
+    -------
+    dict[str, float]
+        The medians by scale key.
+
+    Raises
+    ------
+    StateFileError
+        Naming the first key or value that fails.
+    """
+    from tessera.state_checks import MEDIAN_KINDS, MEDIAN_LIMIT, StateFileError, positive_float
+
+    limit = MEDIAN_LIMIT * max(1.0, weights_norm(arrays))
+    size = sum(int(np.asarray(v).size) for v in arrays.values())
+    restored: dict[str, float] = {}
+    for kind, value in kinds.items():
+        try:
+            entry, covered = parse_scale_key(str(kind))
+        except ValueError as err:
+            raise StateFileError(f"{field}.{kind}", str(err)) from err
+        if entry not in MEDIAN_KINDS or (covered is not None and covered > size):
+            raise StateFileError(
+                f"{field}.{kind}",
+                f"is not a scale key; expected one of {MEDIAN_KINDS}, optionally "
+                f"with @all or @<covered elements, at most {size}>",
+            )
+        restored[str(kind)] = positive_float(value, where=f"{field}.{kind}", maximum=limit)
+    return restored
 
 
 def without_arrays(reply: ClientReply) -> ClientReply:
@@ -527,6 +600,23 @@ class SharedGroup:
         return self.models.state_dict()
 
 
+def required_entry(state: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """Return mapping entry ``key`` of checkpoint ``state`` (``group_models``, ``global_head``).
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file, the field and the fix, if it is missing or not a mapping.
+    """
+    from tessera.checkpoint import refusal
+    from tessera.state_checks import StateFileError, get_mapping
+
+    try:
+        return get_mapping(state, key)
+    except StateFileError as err:
+        raise refusal(state, err) from err
+
+
 def restore_shared(
     state: Mapping[str, Any], key: str, name: str, fresh: GroupModels
 ) -> SharedGroup:
@@ -550,13 +640,9 @@ def restore_shared(
         another group, or arrays that do not fit.
     """
     from tessera.checkpoint import refusal
-    from tessera.state_checks import StateFileError, get_mapping
+    from tessera.state_checks import StateFileError
 
-    try:
-        saved = get_mapping(state, key)
-    except StateFileError as err:
-        raise refusal(state, err) from err
-    fresh.load_state_dict(saved)
+    fresh.load_state_dict(required_entry(state, key))
     if name not in fresh.arrays:
         raise refusal(state, StateFileError(f"{key}.arrays", f"holds no '{name}'"))
     return SharedGroup(name, fresh)

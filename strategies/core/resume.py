@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tessera.checkpoint import source_of
 from tessera.config import ConfigError, RunConfig
-from tessera.state_checks import StateFileError, get_mapping
+from tessera.state_checks import StateFileError, get_mapping, get_str
 
 __all__ = ["RESUME_IDENTITY_KEYS", "check_identity"]
 
@@ -36,14 +37,18 @@ def check_identity(state: Mapping[str, Any], run: RunConfig, scheme: str) -> Non
     ------
     ConfigError
         If the checkpoint is of another scheme or another experiment (the message
-        lists the keys that differ and says to use the original values).
+        names the checkpoint file, lists the keys that differ and says to use the
+        original values).
     StateFileError
-        If ``run_config`` is missing, malformed or lacks an identity key.
+        If ``scheme`` or ``run_config`` is missing or malformed, or ``run_config``
+        lacks an identity key.
     """
-    if state.get("scheme") != scheme:
+    saved_scheme = get_str(state, "scheme")
+    if saved_scheme != scheme:
         raise ConfigError(
-            f"the checkpoint is of scheme '{state.get('scheme')}' but run-config "
-            f"'strategy' is '{scheme}'; resume with the same strategy"
+            f"cannot resume from checkpoint {source_of(state)}: it is of scheme "
+            f"'{saved_scheme}' but run-config 'strategy' is '{scheme}'; resume with "
+            "the same strategy"
         )
     saved = get_mapping(state, "run_config")
     missing = [k for k in RESUME_IDENTITY_KEYS if k not in saved]
@@ -61,6 +66,7 @@ def check_identity(state: Mapping[str, Any], run: RunConfig, scheme: str) -> Non
     ]
     if changed:
         raise ConfigError(
-            "cannot resume: run-config keys that define the experiment differ from the "
-            f"checkpoint's ({'; '.join(changed)}); use the original values"
+            f"cannot resume from checkpoint {source_of(state)}: run-config keys that "
+            f"define the experiment differ from the checkpoint's field 'run_config' "
+            f"({'; '.join(changed)}); use the original values"
         )

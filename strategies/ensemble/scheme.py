@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -426,10 +426,119 @@ class EnsembleStrategy(FedAvgGroupsStrategy[EnsembleOptions]):
         return {**super().state_dict(), "ensemble": self.kept}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the group models and the kept ensemble."""
+        """Restore the group models and the kept ensemble, checked.
+
+        Entry ``ensemble`` is ``None`` (nothing kept yet) or the kept ensemble
+        (:func:`checked_kept`): a round no later than the checkpoint's, distinct
+        members whose weights the restored group models hold, the optimiser that
+        chose it and a finite ``alpha`` of one row per member and one column per
+        class, so what :meth:`end_of_run` exports is an artifact
+        :func:`~strategies.ensemble.artifact.load_ensemble` reads.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError
+
         super().load_state_dict(state)
-        kept = state.get("ensemble")
-        self.kept = dict(kept) if kept else None
+        try:
+            kept = checked_kept(
+                state,
+                completed_round=self.completed_round,
+                members=self.models.arrays,
+                num_classes=self.env.num_classes,
+            )
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.kept = kept
+
+
+def checked_kept(
+    state: Mapping[str, Any],
+    *,
+    completed_round: int,
+    members: Collection[str],
+    num_classes: int,
+) -> dict[str, Any] | None:
+    """Return checkpoint entry ``ensemble`` (the kept ensemble), checked.
+
+    Parameters
+    ----------
+    state : Mapping[str, Any]
+        The checkpoint.
+    completed_round : int
+        Its round: the ensemble was kept after a round from 1 to this one.
+    members : Collection[str]
+        The architectures whose group models were restored.
+    num_classes : int
+        The task's classes (``alpha``'s columns).
+
+    Returns
+    -------
+    dict[str, Any] or None
+        ``round``, ``archs``, ``optimizer`` and ``alpha`` (a list of rows), or
+        ``None`` when the entry is absent or ``None``.
+
+    Raises
+    ------
+    StateFileError
+        Naming the first field that fails.
+    """
+    from tessera.state_checks import StateFileError, get_int, get_list, get_mapping, get_str
+
+    if state.get("ensemble") is None:
+        return None
+    kept = get_mapping(state, "ensemble")
+    where = "ensemble"
+    kept_round = get_int(kept, "round", where=where, minimum=1)
+    if kept_round > completed_round:
+        raise StateFileError(
+            f"{where}.round", f"is {kept_round}, after the checkpoint's round {completed_round}"
+        )
+    archs = get_list(kept, "archs", where=where)
+    for i, arch in enumerate(archs):
+        if not isinstance(arch, str) or arch not in members:
+            raise StateFileError(
+                f"{where}.archs[{i}]",
+                f"is {arch!r}; expected an architecture whose weights field "
+                f"'group_models.arrays' holds ({sorted(members)})",
+            )
+    if not archs or len(set(archs)) != len(archs):
+        raise StateFileError(
+            f"{where}.archs", f"is {archs!r}; expected one or more distinct architectures"
+        )
+    optimizer = get_str(kept, "optimizer", where=where)
+    if optimizer not in ("uniform", *OPTIMIZERS):
+        raise StateFileError(
+            f"{where}.optimizer",
+            f"is {optimizer!r}; expected 'uniform' or one of {', '.join(OPTIMIZERS)}",
+        )
+    want = (len(archs), num_classes)
+    raw = kept.get("alpha")
+    try:
+        alpha = np.asarray(raw)
+        numeric = alpha.dtype.kind in "iuf"
+    except (ValueError, TypeError):  # ragged rows
+        numeric = False
+    if not numeric or alpha.shape != want or not bool(np.isfinite(alpha).all()):
+        if not numeric:
+            shown = repr(raw) if len(repr(raw)) <= 60 else f"{repr(raw)[:60]}..."
+        else:
+            finite = bool(np.isfinite(alpha).all())
+            shown = f"{alpha.dtype} {alpha.shape}{'' if finite else ' holding NaN or infinities'}"
+        raise StateFileError(
+            f"{where}.alpha",
+            f"is {shown}; expected finite numbers of shape {want} (members x classes)",
+        )
+    return {
+        "round": kept_round,
+        "archs": [str(a) for a in archs],
+        "optimizer": optimizer,
+        "alpha": alpha.astype(np.float64).tolist(),
+    }
 
 
 SCHEME = register_scheme(

@@ -311,20 +311,84 @@ class FedFAStrategy(SubModelStrategy[FedFAOptions]):
             "fedfa_statistics_scale": {} if report is None else dict(report.medians),
         }
 
+    def checkpoint_groups(self) -> tuple[str, ...]:
+        """Return the global model: every reply is folded into it."""
+        return (self.global_name,)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the sub-model state, the references and the statistics' scale."""
+        """Restore the sub-model state, the references and the statistics' scale, checked.
+
+        ``fedfa_references`` must map layers FedFA scales (floating parameters of
+        the restored global model) to finite numbers > 0 and at most
+        :data:`~tessera.state_checks.MEDIAN_LIMIT` times the layer's norm (at least
+        1); ``fedfa_statistics_scale`` must hold median distances of the entries it
+        does not scale (:func:`~strategies.core.groups.checked_medians`). A restored
+        reference or bound is then never switched off. Neither is assigned unless
+        both pass.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
+        from tessera.checkpoint import refusal
+        from tessera.state_checks import StateFileError
+
         super().load_state_dict(state)
-        self.references = {
-            str(k): float(v)
-            for k, v in state.get("fedfa_references", {}).items()
-            if math.isfinite(float(v)) and float(v) > 0
-        }
-        scale = {
-            str(k): float(v)
-            for k, v in state.get("fedfa_statistics_scale", {}).items()
-            if math.isfinite(float(v)) and float(v) > 0
-        }
+        try:
+            references, scale = checked_fedfa_state(state, self.global_state)
+        except StateFileError as err:
+            raise refusal(state, err) from err
+        self.references = references
         self.statistics_report = AccumulatorReport(medians=scale) if scale else None
+
+
+def checked_fedfa_state(
+    state: Mapping[str, Any], global_state: Mapping[str, np.ndarray]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Return FedFA's checkpoint entries, checked against the restored global model.
+
+    Parameters
+    ----------
+    state : Mapping[str, Any]
+        The checkpoint; ``fedfa_references`` and ``fedfa_statistics_scale`` may be
+        absent (an older checkpoint: no reference, the statistics unbounded until
+        the next round sets their scale).
+    global_state : Mapping[str, np.ndarray]
+        The restored global weights.
+
+    Returns
+    -------
+    tuple[dict[str, float], dict[str, float]]
+        The references per layer and the statistics' median distances.
+
+    Raises
+    ------
+    StateFileError
+        Naming the first field that fails.
+    """
+    from strategies.core.groups import checked_medians, weights_norm
+    from strategies.submodel.norms import is_scaled
+    from tessera.state_checks import MEDIAN_LIMIT, StateFileError, get_mapping, positive_float
+
+    saved = get_mapping(state, "fedfa_references", default={})
+    references: dict[str, float] = {}
+    for key, value in saved.items():
+        field = f"fedfa_references.{key}"
+        layer = global_state.get(key)
+        if layer is None or not is_scaled(key, layer):
+            raise StateFileError(
+                field, "is not a layer FedFA scales (a floating parameter of the global model)"
+            )
+        limit = MEDIAN_LIMIT * max(1.0, weights_norm({key: layer}))
+        references[key] = positive_float(value, where=field, maximum=limit)
+    plain = {k: v for k, v in global_state.items() if not is_scaled(k, v)}
+    scale = checked_medians(
+        get_mapping(state, "fedfa_statistics_scale", default={}),
+        field="fedfa_statistics_scale",
+        arrays=plain,
+    )
+    return references, scale
 
 
 def _one_of(key: str, value: str, allowed: tuple[_L, ...]) -> _L:

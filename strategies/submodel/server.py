@@ -41,7 +41,7 @@ from models.spec import Layout, ModelRef, SubModelSpec
 from strategies.core.aggregators import Index
 from strategies.core.context import RoundContext
 from strategies.core.direction import ClassDirections, PoolMix, along_mix
-from strategies.core.groups import GroupModels, GroupRound, without_arrays
+from strategies.core.groups import GroupModels, GroupRound, required_entry, without_arrays
 from strategies.core.strategy import HeteroStrategy
 from strategies.core.validation import ClientReply, ReplySchema
 from strategies.submodel.extract import extract
@@ -395,10 +395,35 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
         return {**super().state_dict(), "group_models": self.models.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the base state and the models."""
+        """Restore the base state and the models (entry ``group_models``).
+
+        The entry is required, and after a round it must hold at least one group
+        and every group of :meth:`checkpoint_groups`
+        (:meth:`~strategies.core.groups.GroupModels.load_state_dict`): a run must
+        never resume at round N with fresh weights.
+
+        Raises
+        ------
+        CheckpointError
+            Naming the checkpoint file, the field and the fix.
+        """
         super().load_state_dict(state)
-        self.models.load_state_dict(state.get("group_models", {}))
+        after_a_round = self.completed_round >= 1
+        self.models.load_state_dict(
+            required_entry(state, "group_models"),
+            required=self.checkpoint_groups() if after_a_round else (),
+            nonempty=after_a_round,
+        )
         self._index = {}
+
+    def checkpoint_groups(self) -> tuple[str, ...]:
+        """Return the groups of :attr:`models` a checkpoint written after a round holds.
+
+        Default: none by name (a scheme whose groups are not the global model, as
+        FlexiFed's sharing sets, keeps it); a scheme that folds into the global
+        model returns :attr:`global_name`.
+        """
+        return ()
 
 
 def slice_counts(replies: Iterable[ClientReply]) -> dict[str, int]:

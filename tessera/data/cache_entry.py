@@ -8,7 +8,9 @@ the least recently used removed first. :func:`read_entry` checks an entry before
 use, since a node must never fail every round because of what it stored: its sizes
 are bounded by the file's own before anything is read
 (:func:`tessera.state_checks.read_npz`), its arrays must have their dtypes and
-ranks, agree with each other, hold finite samples and labels in range, and, when the
+ranks, agree with each other, declare a sample shape of positive dimensions and a
+class count above every label and at most :data:`MAX_CLASSES` (checked before
+anything is sized by them), hold finite samples and labels in range, and, when the
 caller says what the federation trains on, match it (:func:`entry_problem`). An
 entry that fails is logged and deleted, and the caller rebuilds it.
 """
@@ -38,6 +40,12 @@ MAX_DISK_ENTRIES = 4
 STALE_TMP_SECONDS = 3600.0
 """Age after which a temporary file left by a killed writer is removed."""
 ENTRY_ARRAYS = ("key", "x_train", "y_train", "x_test", "y_test", "num_classes", "input_shape")
+MAX_CLASSES = 100_000
+"""The most classes an entry may declare: more than any classification task a node
+trains on (ImageNet-21k has 21,841), and few enough that what is sized by it (the
+handshake's label counts, a model's head) stays small. A class count is only a
+number in the file: without a bound, 8 bytes could make every message allocate
+terabytes."""
 
 
 def cache_file(cache_dir: Path, key: str) -> Path:
@@ -103,16 +111,27 @@ def _scalar_int(value: np.ndarray, *, what: str) -> int:
 
 
 def _checked_entry(arrays: dict[str, np.ndarray]) -> NodeSplits:
-    """Rebuild the splits from a cache file's arrays, checking they are consistent."""
+    """Rebuild the splits from a cache file's arrays, checking they are consistent.
+
+    The class count must lie in ``[1, MAX_CLASSES]`` and above every label, and
+    every dimension of the sample shape must be positive, before anything is sized
+    by them.
+    """
     num_classes = _scalar_int(arrays["num_classes"], what="class count")
+    if not 1 <= num_classes <= MAX_CLASSES:
+        raise DataError(
+            f"it declares {num_classes} classes, outside [1, {MAX_CLASSES}] (MAX_CLASSES)"
+        )
     shape = arrays["input_shape"]
     if shape.ndim != 1 or shape.dtype.kind not in "iu" or not 1 <= len(shape) <= 3:
         raise DataError(f"its input shape is {shape.dtype} {shape.shape}, not 1 to 3 integers")
     input_shape = tuple(int(d) for d in shape)
+    if min(input_shape) < 1:
+        raise DataError(f"its input shape {input_shape} has a dimension below 1")
     train = ArrayDataset(x=arrays["x_train"], y=arrays["y_train"])
     test = ArrayDataset(x=arrays["x_test"], y=arrays["y_test"])
-    if num_classes < 1 or len(train) == 0:
-        raise DataError(f"it holds {len(train)} training samples and {num_classes} classes")
+    if len(train) == 0:
+        raise DataError("it holds no training samples")
     for split, part in (("train", train), ("test", test)):
         if part.input_shape != input_shape:
             raise DataError(f"its {split} samples have shape {part.input_shape}, not {input_shape}")

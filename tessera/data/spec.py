@@ -150,3 +150,55 @@ def parse_dataset_spec(spec: str) -> DatasetSpec:
     if not sep and text.count("/") == 1 and all(text.split("/")):
         return DatasetSpec(kind="hf", target=text)
     raise DataError(f"dataset spec {spec!r} is not recognised; use {SPEC_FORMS}")
+
+
+@dataclass(frozen=True)
+class KnownTask:
+    """The sample shape and class count of a dataset, known without loading it.
+
+    Parameters
+    ----------
+    input_shape : tuple of int
+        Shape of one sample as :func:`~tessera.data.loaders.load_bundle` returns it.
+    num_classes : int
+        The dataset's class count.
+    """
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+KNOWN_TASKS: Mapping[str, KnownTask] = {
+    "digits": KnownTask((1, 8, 8), 10),
+    "hf:uoft-cs/cifar10": KnownTask((3, 32, 32), 10),
+    "hf:uoft-cs/cifar100": KnownTask((3, 32, 32), 100),  # fine labels
+    "hf:zalando-datasets/fashion_mnist": KnownTask((1, 28, 28), 10),
+    "hf:ylecun/mnist": KnownTask((1, 28, 28), 10),
+}
+"""The task of each dataset whose shape and classes are fixed, by canonical spec
+(``str(DatasetSpec)``): the bundled digits and the hub datasets of the short names.
+A node checks what it cached against it before the server has announced the task
+(at the handshake)."""
+
+
+def known_task(spec: DatasetSpec | str) -> KnownTask | None:
+    """Return the task of a dataset known without loading it (:data:`KNOWN_TASKS`).
+
+    Parameters
+    ----------
+    spec : DatasetSpec or str
+        The dataset.
+
+    Returns
+    -------
+    KnownTask or None
+        Its sample shape and class count; ``None`` for a dataset that must be
+        loaded to know them (an ``.npz`` file, another hub dataset).
+
+    Raises
+    ------
+    DataError
+        If ``spec`` is a string that is not a dataset spec.
+    """
+    parsed = parse_dataset_spec(spec) if isinstance(spec, str) else spec
+    return KNOWN_TASKS.get(str(parsed))
