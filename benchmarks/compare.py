@@ -356,8 +356,12 @@ def simulate(
     *,
     timeout: float,
     log: Callable[[str], None],
+    ray_address: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run one cell as a Flower simulation; return its round records.
+
+    With ``ray_address`` the simulation joins that running Ray head
+    (``scripts/simulate.sh --ray-address``) instead of starting a Ray of its own.
 
     Raises
     ------
@@ -384,6 +388,7 @@ def simulate(
         cell.key,
         "--output-dir",
         str(runs),
+        *(["--ray-address", ray_address] if ray_address else []),
         "--run-config",
         run_config_text(config),
     ]
@@ -464,6 +469,9 @@ class Comparison:
     ceiling: bool = True
     timeout: float = 1800.0
     parallel: int = 1
+    ray_address: str | None = None
+    """A running Ray head's GCS address every simulation joins (``--ray-address``);
+    ``None``: each starts a Ray of its own. Not a setting: the results are the same."""
     log: Callable[[str], None] = field(default=lambda text: print(text, flush=True))
 
     @property
@@ -730,7 +738,14 @@ class Comparison:
             nonlocal finished
             tick = time.monotonic()
             try:
-                rounds = simulate(cell, self.settings, self.out, timeout=self.timeout, log=self.log)
+                rounds = simulate(
+                    cell,
+                    self.settings,
+                    self.out,
+                    timeout=self.timeout,
+                    log=self.log,
+                    ray_address=self.ray_address,
+                )
                 fields = run_fields(rounds)
             except (RuntimeError, ProtocolError) as err:
                 self.log(f"    {cell.key} FAILED: {err}")
@@ -972,6 +987,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per simulation")
     p.add_argument("--parallel", type=int, default=1, help="simulations at once")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="HOST:PORT of a running Ray head's GCS (as 'ray start --head' prints) every "
+        "simulation joins, instead of starting a Ray of its own per run",
+    )
     p.add_argument("--out", type=Path, default=None, help="results folder")
     p.add_argument("--report-only", action="store_true", help="rewrite tables and plots only")
     return p
@@ -1048,6 +1069,7 @@ def comparison_from_args(args: argparse.Namespace) -> Comparison:
         ceiling=not args.no_ceiling,
         timeout=args.timeout,
         parallel=args.parallel,
+        ray_address=args.ray_address or None,
     )
 
 

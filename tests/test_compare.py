@@ -370,6 +370,18 @@ def test_a_value_missing_for_some_seeds_says_how_many_it_covers() -> None:
     assert "| 81.0 ± 1.0 | 60.0 ± 0.0 |" in good  # values every seed has: unmarked
 
 
+def test_a_ray_address_is_where_runs_go_not_a_setting_of_the_results() -> None:
+    # Execute
+    parser = compare.build_parser()
+    joined = compare.comparison_from_args(parser.parse_args(["--ray-address", "127.0.0.1:6379"]))
+    own = compare.comparison_from_args(parser.parse_args([]))
+
+    # Assert: the cells' folder and keys are the same with and without a cluster
+    assert joined.ray_address == "127.0.0.1:6379" and own.ray_address is None
+    assert joined.settings.fingerprint() == own.settings.fingerprint()
+    assert [c.key for c in joined.cells()] == [c.key for c in own.cells()]
+
+
 def test_family_floors_of_every_scheme() -> None:
     # Execute
     comparison = compare.comparison_from_args(compare.build_parser().parse_args([]))
@@ -847,7 +859,11 @@ def test_compare_runs_flower_simulations_and_resumes(
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     dataset = f"hf:{_local_hub_dataset(tmp_path / 'hub-digits')}"
     out = tmp_path / "cmp"
+    from tests.ray_nodes import shared_head_address
+
+    address = shared_head_address()  # the suite's one Ray head (no Ray start per run)
     args = [
+        *(["--ray-address", address] if address else []),
         "--schemes", "fedavg-groups",
         "--partitionings", "dirichlet:0.5",
         "--seeds", "3",
