@@ -92,18 +92,18 @@ class KnowledgeFold:
         entry that is not a finite positive number is ignored (that kind's rows are
         all kept to the round's end, as in a first round).
     growth : float
-        Most the median may fall between two rounds (``bound-growth``, > 1).
+        Most the median may move between two rounds, either way (``bound-growth``, > 1).
 
     Examples
     --------
     >>> fold = KnowledgeFold(2, clip_factor=2.0, previous={"logits": 1.0}, growth=2.0)
     >>> for tag, row in enumerate(([0.6, 0.8], [0.0, 3.0], [6.0, 8.0])):
     ...     fold.add(ClassKnowledge(np.array([0]), np.array([1]), np.array([row])), tag)
-    >>> out = fold.result()  # norms 1, 3, 10: median 3, bound 6; threshold 2 x 1 / 2 = 1
-    >>> out.kept, out.rows, out.clips, out.scales
-    (2, 3, [(2, 'logits', 10.0, 6.0)], {'logits': 3.0})
-    >>> [round(float(x), 6) for x in out.merged.logits[0]]  # (0.6, 0.8) + (0, 3) + (3.6, 4.8)
-    [1.4, 2.866667]
+    >>> out = fold.result()  # norms 1, 3, 10: median 3, at most 1 x 2 = 2: bound 4
+    >>> out.kept, out.rows, out.clips, out.scales  # threshold 2 x 1 / 2 = 1: two kept
+    (2, 3, [(2, 'logits', 10.0, 4.0)], {'logits': 2.0})
+    >>> [round(float(x), 6) for x in out.merged.logits[0]]  # (0.6, 0.8) + (0, 3) + (2.4, 3.2)
+    [1.0, 2.333333]
     """
 
     def __init__(
@@ -133,7 +133,7 @@ class KnowledgeFold:
         self.sums: KnowledgeSums | None = None
         self.feature_dim: int | None = None
         self.norms: dict[str, list[float]] = {}
-        """Per kind, the positive norm of every row added (the round's median)."""
+        """Per kind, each node's lower median positive row norm (the round's median)."""
         self._kept: list[tuple[int, ClassKnowledge]] = []
         self.kept = 0
         self.rows = 0
@@ -179,7 +179,9 @@ class KnowledgeFold:
             if values is None:
                 continue
             norms = row_norms(values)
-            self.norms.setdefault(kind, []).extend(norms[norms > 0].tolist())
+            positive = norms[norms > 0]
+            if positive.size:  # the node's own median: it counts once in the round's
+                self.norms.setdefault(kind, []).append(float(lower_median(positive.tolist())))
             if self.clip_factor > 0:
                 foldable &= norms <= self.thresholds.get(kind, 0.0)
         if bool(foldable.all()):
@@ -191,16 +193,23 @@ class KnowledgeFold:
         self.kept += int((~foldable).sum())
 
     def medians(self) -> dict[str, float]:
-        """Return the round's median norm per kind, floored at the previous / ``growth``.
+        """Return the round's median norm per kind, within ``growth`` of the previous.
 
-        The lower median of the positive norms added, at least the previous median
-        divided by ``growth``: ``clip-factor`` times it is the round's bound.
+        The lower median of the nodes' own lower median row norms (a node counts
+        once, whatever classes it claims), kept within ``[previous / growth,
+        previous * growth]`` when there is a previous median: ``clip-factor`` times
+        it is the round's bound. A majority can move it by at most ``growth`` a round
+        either way (before, only the fall was bounded: one round of rows of 1e30 set
+        a median that took a hundred rounds to come down).
         """
         out: dict[str, float] = {}
         for kind, norms in self.norms.items():
             if norms:
-                floor = self.previous.get(kind, 0.0) / self.growth
-                out[kind] = max(lower_median(norms), floor)
+                median = lower_median(norms)
+                previous = self.previous.get(kind)
+                if previous is not None:
+                    median = min(max(median, previous / self.growth), previous * self.growth)
+                out[kind] = median
         return out
 
     def result(self) -> FoldResult:

@@ -271,9 +271,11 @@ def _lower_median(values: np.ndarray) -> float:
 def knowledge_bounds(parts: Sequence[ClassKnowledge], clip_factor: float) -> dict[str, float]:
     """Return the round's own row bound per kind: ``clip_factor`` x the lower median norm.
 
-    The logits rows of all parts (every client, every class) form one cohort, the
-    feature rows another; a kind with no positive norm (or ``clip_factor <= 0``) has
-    no bound.
+    Per kind (logits, features), each part's lower median row norm, then the lower
+    median of those: a node counts once, however many classes it claims. (A median
+    over every row let one node that claimed all ten classes outnumber three that
+    hold two each and set the bound with rows of 1e30.) A kind with no positive norm
+    (or ``clip_factor <= 0``) has no bound.
 
     Examples
     --------
@@ -286,13 +288,21 @@ def knowledge_bounds(parts: Sequence[ClassKnowledge], clip_factor: float) -> dic
         return bounds
     for kind in KINDS:
         rows = [getattr(p, kind) for p in parts if getattr(p, kind) is not None]
-        if not rows:
-            continue
-        norms = np.concatenate([row_norms(r) for r in rows])
-        positive = norms[norms > 0]
-        if positive.size:
-            bounds[kind] = clip_factor * _lower_median(positive)
+        medians = [m for m in (node_median(r) for r in rows) if m is not None]
+        if medians:
+            bounds[kind] = clip_factor * _lower_median(np.asarray(medians))
     return bounds
+
+
+def node_median(values: np.ndarray) -> float | None:
+    """Return the lower median of one node's positive row norms (``None``: none positive).
+
+    >>> node_median(np.array([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]]))  # norms 5, 1 (0 left out)
+    1.0
+    """
+    norms = row_norms(values)
+    positive = norms[norms > 0]
+    return float(_lower_median(positive)) if positive.size else None
 
 
 def row_norms(values: np.ndarray) -> np.ndarray:
@@ -528,7 +538,7 @@ def check_knowledge_record(
     arrays; class ids are a non-empty 1-d integer array of distinct values in
     ``[0, num_classes)``; counts are positive integers, one per class, summing to the
     reply's ``num-examples``; logits are ``(K, num_classes)`` and features
-    ``(K, feature_dim)``; every value is finite.
+    ``(K, feature_dim)``, float32; every value is finite.
 
     Parameters
     ----------
@@ -586,8 +596,8 @@ def check_knowledge_record(
                 f"'{key}' has shape {value.shape}, expected {shape} ({what} "
                 f"{value.shape[-1] if value.ndim else '?'} vs {shape[1]})"
             )
-        if not np.issubdtype(value.dtype, np.floating):
-            return f"'{key}' must be floating point, got {value.dtype}"
+        if value.dtype != np.float32:  # float64 rows of 1e300 overflow their norms
+            return f"'{key}' must be float32, got {value.dtype}"
         if not np.all(np.isfinite(value)):
             return f"'{key}' has non-finite values"
     return None
