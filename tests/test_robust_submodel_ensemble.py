@@ -598,3 +598,21 @@ def test_a_lone_first_round_layer_is_bounded_by_the_ceiling() -> None:
     np.testing.assert_allclose(bounded.result()["w"], [9.0, 12.0], rtol=1e-5)
     np.testing.assert_allclose(free.result()["w"], [303.0, 404.0], rtol=1e-6)
     assert bounded.unreferenced == 1
+
+
+def test_a_lone_first_round_layer_of_norm_zero_is_bounded_by_the_models_scale() -> None:
+    # Prepare: a layer "w" (3, 4) of norm 5 and a bias "b" of zeros (as every batch-norm
+    # bias starts): its own norm gives no ceiling. One client, alone, sends 1e30 in both
+    g = {"w": np.array([3.0, 4.0], np.float32), "b": np.zeros(2, np.float32)}
+    lone = {"w": np.array([1e30, 1e30], np.float32), "b": np.full(2, 1e30, np.float32)}
+
+    # Execute
+    acc = ScalableAccumulator(g, percentile=100, ceiling=2.0)
+    acc.add(lone)
+    out = acc.result()
+
+    # Assert: the bias's yardstick is its size at the scaled layers' root mean square,
+    # sqrt(25 / 4) x sqrt(2) = 3.536; ceiling 2 -> its update has norm 7.07: (5, 5)
+    np.testing.assert_allclose(out["b"], [5.0, 5.0], rtol=1e-5)
+    assert float(np.linalg.norm(out["w"] - g["w"])) == pytest.approx(10.0, rel=1e-5)
+    assert acc.unreferenced == 2

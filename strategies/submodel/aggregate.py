@@ -102,7 +102,7 @@ accumulator stays exact under it is in its docstring. The list form
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -136,6 +136,25 @@ CANDIDATE_MARGIN = 2.0
 norm is under ``CANDIDATE_MARGIN * running_reference / max_factor``: only such
 layers can end up capped unless the layer's reference grows more than
 ``CANDIDATE_MARGIN``-fold after the client's reply."""
+
+
+def zero_layer_norm(reference: Mapping[str, np.ndarray], scaled: Iterable[str], size: int) -> float:
+    """Return the L2 norm of ``size`` values at the scaled layers' root mean square value.
+
+    The yardstick of a layer whose own norm is 0 (``ScalableAccumulator``'s ceiling):
+    ``sqrt(size)`` times the root mean square of every scaled layer's values, a scale
+    no client sets. 0 when every scaled layer is 0.
+
+    >>> ref = {"a": np.full(4, 2.0), "b": np.zeros(9)}
+    >>> zero_layer_norm(ref, ["a", "b"], 9)  # RMS sqrt(16 / 13), times sqrt(9)
+    3.328201177351375
+    """
+    total = count = 0.0
+    for key in scaled:
+        values = reference[key]
+        total += float(np.sum(np.square(values, dtype=np.float64)))
+        count += values.size
+    return math.sqrt(total / count * size) if count > 0 and total > 0 else 0.0
 
 
 class ScalableAccumulator:
@@ -275,6 +294,23 @@ class ScalableAccumulator:
     def _reference(self, key: str, norms: Sequence[float]) -> float | None:
         ref = reference_norm(norms)
         return self.previous.get(key) if ref is None else ref
+
+    def _ceiling(self, key: str) -> float:
+        """Return the most a layer with no reference may be scaled to (``inf``: no ceiling).
+
+        ``clip-ceiling`` x the global layer's own L2 norm; for a layer whose norm is 0
+        (a batch-norm bias as every model starts it, a layer no round moved yet),
+        ``clip-ceiling`` x the norm it would have at the scaled layers' root mean
+        square value (:func:`zero_layer_norm`): without it, one node alone in a first
+        round set such a layer to 1e30.
+        """
+        if self.ceiling <= 0:
+            return math.inf
+        ref = self.reference[key]
+        layer = float(np.sqrt(np.sum(np.square(ref, dtype=np.float64))))
+        if layer <= 0:
+            layer = zero_layer_norm(self.reference, self._scaled, int(ref.size))
+        return self.ceiling * layer if layer > 0 else math.inf
 
     def add(
         self,
@@ -416,9 +452,7 @@ class ScalableAccumulator:
                 # but never past the ceiling, a scale no client sets (clip-ceiling x the
                 # global layer's own norm): a lone node's first round is bounded too
                 self.unreferenced += 1
-                if self.ceiling > 0:
-                    layer = float(np.sqrt(np.sum(np.square(ref, dtype=np.float64))))
-                    cap = self.ceiling * layer if layer > 0 else math.inf
+                cap = self._ceiling(key)
             total = self._inverse.pop(key)
             smallest = self._smallest.get(key, math.inf)
             # min(rho, max_factor * smallest folded norm): rho itself unless a folded layer
