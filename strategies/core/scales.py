@@ -418,11 +418,9 @@ class ScaleBook:
 
         :func:`next_scale` of the distances this round accepted (each at most
         ``growth`` x its bound, :func:`scale_evidence`) and the last round's scale; a
-        class nobody moved keeps its scale, and so does a class one update alone moved
-        (a node alone in its group: a scale is never its own alone, but in the first
-        round, where its own distance is bounded by the ceiling). A first round that
-        adopted the scale of its first updates (:meth:`adopt`) has no last round's
-        scale: its own lower median.
+        class nobody moved keeps its scale. A first round that adopted the scale of
+        its first updates (:meth:`adopt`) has no last round's scale: its own lower
+        median.
         """
         medians: dict[str, float] = {}
         for key, accepted in sorted(self.accepted.items()):
@@ -431,11 +429,6 @@ class ScaleBook:
                 continue  # a slice alone in its class: never its own scale
             if size is None and kind in self.sliced and len(accepted) < 2:
                 continue  # a whole model alone among slices: the same
-            if size is None and len(accepted) < 2 and key in self.previous:
-                # a node alone in its group (or a round of one reply): its scale stays
-                # the one set before, never its own times growth (which let a lone
-                # node double its bound, and its group model's norm, every round)
-                continue
             anchor = None if self.adopted else self.previous_scale(kind, key)
             medians[key] = next_scale(accepted, anchor, self.growth)
         for kind in sorted(self.sliced):
