@@ -246,20 +246,23 @@ def _announced_task(config: ConfigRecord) -> tuple[int | None, tuple[int, ...] |
 
 
 def _handshake_task(
-    run: RunConfig, config: ConfigRecord
+    run: RunConfig, config: ConfigRecord, node: NodeConfig
 ) -> tuple[int | None, tuple[int, ...] | None]:
     """Return the class count and input shape a node's cached data must fit at the handshake.
 
     The server's announcement (:func:`_announced_task`) when the handshake carries
     one; else the task of the run config's dataset when it is known without loading
     it (:func:`~tessera.data.spec.known_task`: the digits, the hub datasets of the
-    short names); else ``None`` (not checked: the cache entry's own bounds still
+    short names) for a node of a partition (a node with its own ``data-path`` reads
+    another file); else ``None`` (not checked: the cache entry's own bounds still
     hold, :mod:`tessera.data.cache_entry`). A cached entry of another shape or more
     classes is discarded and rebuilt with a warning, as in a train round.
     """
     num_classes, input_shape = _announced_task(config)
     if num_classes is not None:
         return num_classes, input_shape
+    if node.data_path is not None:  # its own file, not the run config's dataset
+        return None, None
     task = known_task(run.data.dataset)
     return (None, None) if task is None else (task.num_classes, task.input_shape)
 
@@ -360,7 +363,7 @@ def handshake(msg: Message, context: Context) -> Message:
     node = NodeConfig.from_flower(context.node_config)
     algorithm = with_attack(client, run, node)
     config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
-    expect_classes, expect_shape = _handshake_task(run, config)
+    expect_classes, expect_shape = _handshake_task(run, config, node)
     data = load_node_data(run, node, expect_shape=expect_shape, expect_classes=expect_classes)
     simulated = bool(config.get("simulation", False))
     state = open_node_state(context, node, config)

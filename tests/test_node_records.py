@@ -378,3 +378,21 @@ def test_the_handshake_rebuilds_a_cache_entry_that_does_not_fit_the_dataset(
         key = str(npz["key"])
     again = read_entry(entry, key, expect_shape=(1, 8, 8), expect_classes=10)
     assert again is not None and again.num_classes == 10 and again.input_shape == (1, 8, 8)
+
+
+def test_a_node_with_its_own_data_file_is_not_held_to_the_run_s_dataset(
+    run_config: RunConfigFactory,
+) -> None:
+    # Prepare: the run config names digits (a known task); one node reads a partition
+    # of it, another its own file, whose samples need not be digits'
+    from client_app.app import _handshake_task
+    from tessera.config import RunConfig
+
+    run = RunConfig.from_flower(run_config({"dataset": "digits"}))
+    partition = NodeConfig.from_flower({"partition-id": 0, "num-partitions": 3})
+    own = NodeConfig.from_flower({"data-path": "/data/mine.npz", "arch": "cnn-2"})
+
+    # Execute / Assert: the partition node's cache is checked against digits' task,
+    # the other's is not (its entry would be discarded at every handshake)
+    assert _handshake_task(run, ConfigRecord(), partition) == (10, (1, 8, 8))
+    assert _handshake_task(run, ConfigRecord(), own) == (None, None)

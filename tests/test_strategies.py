@@ -979,6 +979,22 @@ def test_parse_handshake_rejects_bad_profiles(profile: dict[str, Any], fragment:
     assert fragment in info.reason
 
 
+def test_a_checkpoint_s_node_table_cannot_bring_back_a_size_the_handshake_refuses() -> None:
+    # Prepare: a node's table entry as a checkpoint writes it, its size then raised
+    from strategies.core.nodes import MAX_EXAMPLES, NodeInfo
+    from tessera.state_checks import StateFileError
+
+    info = parse_handshake(handshake_reply(5), ["cnn-1", "cnn-2"])
+    assert not isinstance(info, Rejection)
+    entry = info.to_dict()
+    assert NodeInfo.from_dict(entry, where="nodes.5") == info
+
+    # Execute / Assert
+    for key in ("num_train", "num_test"):
+        with pytest.raises(StateFileError, match=rf"nodes.5.{key}.*at most 1,000,000,000"):
+            NodeInfo.from_dict({**entry, key: MAX_EXAMPLES + 1}, where="nodes.5")
+
+
 # ------------------------------------------------------------- Flower's FedAvg reference
 @pytest.mark.parametrize(
     "changed",

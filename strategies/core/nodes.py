@@ -104,13 +104,27 @@ class NodeInfo:
             family=get_str(data, "family", where=where),
             size_rank=get_int(data, "size_rank", where=where, minimum=any_int),
             arch_fits=bool(data["arch_fits"]),
-            num_train=get_int(data, "num_train", where=where),
-            num_test=get_int(data, "num_test", where=where),
+            num_train=_size(data, "num_train", where=where),
+            num_test=_size(data, "num_test", where=where),
             partition_id=get_int(data, "partition_id", where=where, minimum=any_int),
             label_counts=tuple(counts),
             profile=dict(get_mapping(data, "profile", where=where)),
             data_key=get_int(data, "data_key", where=where, minimum=any_int, default=-1),
         )
+
+
+def _size(data: Mapping[str, Any], key: str, *, where: str) -> int:
+    """Read a node's training or test-set size from a checkpoint, at most :data:`MAX_EXAMPLES`.
+
+    The handshake refuses a larger claim; a checkpoint's node table must not bring one
+    back.
+    """
+    value = get_int(data, key, where=where)
+    if value > MAX_EXAMPLES:
+        raise StateFileError(
+            f"{where}.{key}", f"is {value}; a node may hold at most {MAX_EXAMPLES:,} examples"
+        )
+    return value
 
 
 def _ref_of(data: Mapping[str, Any], *, where: str) -> ModelRef:

@@ -37,6 +37,7 @@ from strategies.felo.knowledge import (
     KnowledgeError,
     KnowledgeSums,
     clip_knowledge,
+    node_median,
     row_norms,
 )
 
@@ -179,9 +180,9 @@ class KnowledgeFold:
             if values is None:
                 continue
             norms = row_norms(values)
-            positive = norms[norms > 0]
-            if positive.size:  # the node's own median: it counts once in the round's
-                self.norms.setdefault(kind, []).append(float(lower_median(positive.tolist())))
+            own = node_median(norms)
+            if own is not None:  # the node's own median: it counts once in the round's
+                self.norms.setdefault(kind, []).append(own)
             if self.clip_factor > 0:
                 foldable &= norms <= self.thresholds.get(kind, 0.0)
         if bool(foldable.all()):

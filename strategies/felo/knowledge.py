@@ -288,19 +288,18 @@ def knowledge_bounds(parts: Sequence[ClassKnowledge], clip_factor: float) -> dic
         return bounds
     for kind in KINDS:
         rows = [getattr(p, kind) for p in parts if getattr(p, kind) is not None]
-        medians = [m for m in (node_median(r) for r in rows) if m is not None]
+        medians = [m for m in (node_median(row_norms(r)) for r in rows) if m is not None]
         if medians:
             bounds[kind] = clip_factor * _lower_median(np.asarray(medians))
     return bounds
 
 
-def node_median(values: np.ndarray) -> float | None:
+def node_median(norms: np.ndarray) -> float | None:
     """Return the lower median of one node's positive row norms (``None``: none positive).
 
-    >>> node_median(np.array([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]]))  # norms 5, 1 (0 left out)
+    >>> node_median(row_norms(np.array([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]])))  # 5, 1, 0
     1.0
     """
-    norms = row_norms(values)
     positive = norms[norms > 0]
     return float(_lower_median(positive)) if positive.size else None
 

@@ -311,10 +311,6 @@ class FedFAStrategy(SubModelStrategy[FedFAOptions]):
             "fedfa_statistics_scale": {} if report is None else dict(report.medians),
         }
 
-    def checkpoint_groups(self) -> tuple[str, ...]:
-        """Return the global model: every reply is folded into it."""
-        return (self.global_name,)
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sub-model state, the references and the statistics' scale, checked.
 

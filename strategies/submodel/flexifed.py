@@ -141,6 +141,10 @@ class PendingPersonal:
 class FlexiFedStrategy(SubModelStrategy[FlexiFedOptions]):
     """FlexiFed's server (module docstring)."""
 
+    def checkpoint_groups(self) -> tuple[str, ...]:
+        """Return none by name: FlexiFed's groups are its sharing sets, not the global model."""
+        return ()
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.personal: dict[int, dict[str, np.ndarray]] = {}

@@ -66,10 +66,6 @@ class HeteroFLStrategy(SubModelStrategy[HeteroFLOptions]):
             out["window_shift"] = 1
         return out
 
-    def checkpoint_groups(self) -> tuple[str, ...]:
-        """Return the global model: every slice is folded into it."""
-        return (self.global_name,)
-
 
 SCHEME = register_scheme(
     Scheme(

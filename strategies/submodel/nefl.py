@@ -79,10 +79,6 @@ class NeFLStrategy(SubModelStrategy[NeFLOptions]):
             self._private[arch] = norms | step_entries(exchanged)
         return self._private[arch]
 
-    def checkpoint_groups(self) -> tuple[str, ...]:
-        """Return the global model: every slice's shared weights are folded into it."""
-        return (self.global_name,)
-
 
 SCHEME = register_scheme(
     Scheme(

@@ -419,11 +419,11 @@ class SubModelStrategy(HeteroStrategy[SubModelOptionsT]):
     def checkpoint_groups(self) -> tuple[str, ...]:
         """Return the groups of :attr:`models` a checkpoint written after a round holds.
 
-        Default: none by name (a scheme whose groups are not the global model, as
-        FlexiFed's sharing sets, keeps it); a scheme that folds into the global
-        model returns :attr:`global_name`.
+        Default: the global model, into which every slice is folded (HeteroFL, NeFL,
+        FedFA); a scheme whose groups are not the global model (FlexiFed's sharing
+        sets) returns none by name.
         """
-        return ()
+        return (self.global_name,)
 
 
 def slice_counts(replies: Iterable[ClientReply]) -> dict[str, int]:

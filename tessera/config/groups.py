@@ -422,13 +422,10 @@ class DeploymentConfig(Group):
             self.output_dir,
             f"name a folder whose every part is at most {MAX_NAME_BYTES} bytes long",
         )
-        if self.run_name is not None:
-            require(
-                run_name_problem(self.run_name) is None,
-                "run-name",
-                self.run_name,
-                f"{run_name_problem(self.run_name)}, e.g. 'fedavg-dirichlet-seed0'",
-            )
+        problem = None if self.run_name is None else run_name_problem(self.run_name)
+        require(
+            problem is None, "run-name", self.run_name, f"{problem}, e.g. 'fedavg-dirichlet-seed0'"
+        )
         unknown = [p for p in self.sim_device_profiles if p not in SIM_DEVICE_PROFILES]
         require(
             not unknown,
