@@ -6,6 +6,7 @@ compiled one-pass loop (:mod:`strategies.core.fused`, numba) and on the torch pa
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -346,6 +347,51 @@ def test_knowledge_counts_are_capped_in_proportion() -> None:
     assert cap_counts(part, 40.0).counts.tolist() == [10, 30]
     assert cap_counts(part, 2.0).counts.tolist() == [1, 1]
     assert cap_counts(part, 5000.0) is part
+
+
+def test_knowledge_counts_are_cut_to_the_declared_label_counts() -> None:
+    from strategies.felo.knowledge import ClassKnowledge, KnowledgeError, cap_to_declared
+
+    logits = np.arange(12, dtype=np.float32).reshape(3, 4)
+    features = np.arange(6, dtype=np.float32).reshape(3, 2)
+    part = ClassKnowledge(
+        np.array([0, 1, 3], np.int64), np.array([4, 9, 2], np.int64), logits, features
+    )
+    # declared (5, 6, 0, 0): class 0 within (4 <= 5), class 1 cut 9 -> 6, class 3
+    # declared none of: dropped with its rows
+    cut = cap_to_declared(part, [5, 6, 0, 0])
+    assert cut.class_ids.tolist() == [0, 1] and cut.counts.tolist() == [4, 6]
+    np.testing.assert_array_equal(cut.logits, logits[:2])
+    assert cut.features is not None
+    np.testing.assert_array_equal(cut.features, features[:2])
+    # every count within: the same object; none declared: no class left
+    assert cap_to_declared(part, [4, 9, 0, 2]) is part
+    assert cap_to_declared(part, [0, 0, 7, 0]).num_classes_present == 0
+    with pytest.raises(KnowledgeError, match="outside the 3 declared label counts"):
+        cap_to_declared(part, [9, 9, 9])
+
+
+def test_a_reply_of_undeclared_classes_only_is_refused_and_a_cut_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from strategies.felo.fold import within_declared
+    from strategies.felo.knowledge import ClassKnowledge, KnowledgeError
+
+    ctx: Any = SimpleNamespace(server_round=3)
+    part = ClassKnowledge(
+        np.array([1, 2], np.int64), np.array([8, 3], np.int64), np.zeros((2, 3), np.float32)
+    )
+    assert within_declared(ctx, part, 7, None) is part  # no handshake on record
+    with caplog.at_level(logging.WARNING, logger="flwr.tessera"):
+        cut = within_declared(ctx, part, 7, [10, 5, 3])
+    assert cut.counts.tolist() == [5, 3]
+    assert "round 3: node 7 claims more samples than its handshake declared (1: 8 > 5" in (
+        caplog.text
+    )
+    with pytest.raises(KnowledgeError, match=r"declared none of \(1: 8 > 0, 2: 3 > 0"):
+        within_declared(ctx, part, 7, [10, 0, 0])
 
 
 # ------------------------------------------------------------- direction check

@@ -567,6 +567,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "fedhe": {"strategy": "fedhe"},
     "felo-knowledge-only": {"strategy": "felo", "felo-share-weights": False},
     "felo-bad-reply": {"strategy": "felo"},
+    "felo-count-lie": {"strategy": "felo"},
 }
 
 
@@ -577,6 +578,26 @@ def wrong_feature_dim(reply: Message) -> Message:
     bad = ClassKnowledge(k.class_ids, k.counts, k.logits, np.zeros((len(k.class_ids), 3)))
     reply.content.array_records[KNOWLEDGE] = knowledge_to_record(bad)
     return reply
+
+
+def claims_class_zero(reply: Message) -> Message:
+    """Make node 22 claim its samples on class 0, one on each other class.
+
+    The counts still sum to its ``num-examples`` (validation checks that), so the
+    round's weight cap leaves them as they are.
+    """
+    k = record_to_knowledge(reply.content.array_records[KNOWLEDGE])
+    counts = np.ones_like(k.counts)
+    counts[k.class_ids == 0] = int(k.counts.sum()) - (len(counts) - 1)
+    lie = ClassKnowledge(k.class_ids, counts, k.logits, k.features)
+    reply.content.array_records[KNOWLEDGE] = knowledge_to_record(lie)
+    return reply
+
+
+TAMPER: dict[str, Callable[[Message], Message]] = {
+    "felo-bad-reply": wrong_feature_dim,
+    "felo-count-lie": claims_class_zero,
+}
 
 
 @pytest.fixture(scope="module")
@@ -599,7 +620,7 @@ def federation(
                     digits_bundle,
                     tmp_path_factory.mktemp(name) / "run",
                     num_rounds=2,
-                    tamper={22: wrong_feature_dim} if name == "felo-bad-reply" else None,
+                    tamper={22: TAMPER[name]} if name in TAMPER else None,
                 )
             return done[name]
 
@@ -795,6 +816,53 @@ def test_bad_reply_is_rejected_and_round_continues(
     assert fed.server.targets is not None
     assert fed.server.targets.features is not None
     assert np.all(np.isfinite(fed.server.targets.features))
+
+
+def test_claimed_counts_are_cut_to_the_handshake_label_counts(
+    federation: Callable[[str], Federation],
+) -> None:
+    # Prepare: node 22 claims its whole training set on class 0 (one sample on each
+    # other); its handshake declared its true label counts, which honest counts equal
+    fed = federation("felo-count-lie")
+    first = fed.grid.replies_of("train")[:3]
+    declared = {n: np.asarray(info.label_counts) for n, info in fed.server.nodes.items()}
+    sent = [record_to_knowledge(r.content.array_records[KNOWLEDGE]) for r in first]
+    lie = next(k for r, k in zip(first, sent, strict=True) if r.metadata.src_node_id == 22)
+    assert int(lie.counts[lie.class_ids == 0][0]) > 2 * int(declared[22][0])
+    # each node's counts within its declared ones, then within the weight it may weigh
+    within = [
+        ClassKnowledge(
+            k.class_ids,
+            np.minimum(k.counts, declared[r.metadata.src_node_id][k.class_ids]),
+            k.logits,
+            k.features,
+        )
+        for r, k in zip(first, sent, strict=True)
+    ]
+    weights = allowed_weights({n: int(d.sum()) for n, d in declared.items()}, first)
+    expected = merge_knowledge(
+        [cap_counts(k, w) for k, w in zip(within, weights, strict=True)], num_classes=10
+    )
+    unguarded = merge_knowledge(
+        [cap_counts(k, w) for k, w in zip(sent, weights, strict=True)], num_classes=10
+    )
+
+    # Execute: the targets round 2 sent
+    targets = [
+        record_to_knowledge(m.content.array_records[CLASS_TARGETS]) for m in _train_messages(fed, 2)
+    ]
+
+    # Assert: node 22 weighs in as its handshake said, never by what it claimed; the
+    # reply is kept (the cut is its bound, not a refusal)
+    assert all(r["num_ok"] == 3 and r["num_rejected"] == 0 for r in fed.server.rounds), [
+        r["rejected"] for r in fed.server.rounds
+    ]
+    assert not np.allclose(expected.logits, unguarded.logits, rtol=1e-3)
+    for got in targets:
+        np.testing.assert_array_equal(got.counts, expected.counts)
+        np.testing.assert_allclose(got.logits, expected.logits, rtol=1e-6)
+        assert got.features is not None and expected.features is not None
+        np.testing.assert_allclose(got.features, expected.features, rtol=1e-6)
 
 
 def test_schemes_are_registered() -> None:

@@ -357,7 +357,18 @@ RUNS: dict[str, dict[str, Any]] = {
     "fedproto": {"strategy": "fedproto", "weight-cap": 0.0, "knowledge-clip-factor": 0.0},
     "fedtgp": {"strategy": "fedtgp"},
     "fedproto-bounded": {"strategy": "fedproto"},
+    "fedproto-count-lie": {"strategy": "fedproto", "weight-cap": 0.0, "knowledge-clip-factor": 0.0},
 }
+
+
+def claims_class_zero(reply: Message) -> Message:
+    """Make node 22 claim its samples on class 0, one on each other class (same sum)."""
+    protos = record_to_prototypes(reply.content.array_records[CLASS_PROTOTYPES])
+    counts = np.ones_like(protos.counts)
+    counts[protos.class_ids == 0] = int(protos.counts.sum()) - (len(counts) - 1)
+    lie = ClassPrototypes(protos.class_ids, counts, protos.prototypes)
+    reply.content.array_records[CLASS_PROTOTYPES] = prototypes_to_record(lie)
+    return reply
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +387,7 @@ def federation(
                 digits_bundle,
                 tmp_path_factory.mktemp(name) / "run",
                 num_rounds=3,
+                tamper={22: claims_class_zero} if name == "fedproto-count-lie" else None,
             )
             for name, overrides in RUNS.items()
         }
@@ -463,6 +475,78 @@ def test_fedproto_sends_the_count_weighted_average(
         np.testing.assert_allclose(
             protos.prototypes, sums[present] / counts[present, None], rtol=1e-5, atol=1e-6
         )
+
+
+def test_claimed_prototype_counts_are_cut_to_the_handshake_label_counts(
+    federation: Callable[[str], Federation],
+) -> None:
+    # Prepare: node 22 claims its whole training set on class 0; no weight cap and no
+    # row bound, so the oracle is the count-weighted mean with each node's counts
+    # within its handshake label counts (honest counts are exactly those), then
+    # within the round's weight (the default weight-trim)
+    fed = federation("fedproto-count-lie")
+    replies = _replies_of_round(fed, 1)
+    declared = {n: np.asarray(info.label_counts) for n, info in fed.server.nodes.items()}
+    sums = np.zeros((10, 128))
+    counts = np.zeros(10)
+    sizes = {n: int(d.sum()) for n, d in declared.items()}
+    lied = 0
+    for reply, weight in zip(replies, allowed_weights(sizes, replies), strict=True):
+        p = record_to_prototypes(reply.content.array_records[CLASS_PROTOTYPES])
+        held = np.minimum(p.counts, declared[reply.metadata.src_node_id][p.class_ids])
+        lied += int((held != p.counts).any())
+        if held.sum() > weight:  # then within the round's weight (weight-trim)
+            held = np.maximum(1, np.floor(held * (weight / held.sum())))
+        sums[p.class_ids] += held[:, None] * p.prototypes.astype(np.float64)
+        counts[p.class_ids] += held
+    present = np.flatnonzero(counts)
+    assert lied == 1
+
+    # Execute
+    sent = [
+        record_to_prototypes(m.content.array_records[GLOBAL_PROTOTYPES]) for m in _round(fed, 2)
+    ]
+
+    # Assert: the reply is kept, and weighs in as its handshake said
+    assert all(r["num_ok"] == 3 and r["num_rejected"] == 0 for r in fed.server.rounds)
+    for protos in sent:
+        np.testing.assert_array_equal(protos.class_ids, present)
+        np.testing.assert_array_equal(protos.counts, counts[present])
+        np.testing.assert_allclose(
+            protos.prototypes, sums[present] / counts[present, None], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_a_buffered_reply_keeps_its_prototypes_record_rewritten_when_cut() -> None:
+    from types import SimpleNamespace
+
+    from strategies.core.validation import ClientReply
+    from strategies.felo.knowledge import KnowledgeError
+    from strategies.prototypes.server import claimed_prototypes
+
+    # Prepare: counts (8, 3) of classes (1, 2)
+    protos = _protos([1, 2], [8, 3], [[1.0, 0.0], [0.0, 1.0]])
+    reply = ClientReply(
+        node_id=5,
+        arch="cnn-1",
+        metrics={wire.NUM_EXAMPLES: 11.0},
+        arrays=None,
+        content=RecordDict({CLASS_PROTOTYPES: prototypes_to_record(protos)}),
+        bytes_up=0,
+        bytes_down=0,
+    )
+    env: Any = SimpleNamespace(num_classes=3)
+    ctx: Any = SimpleNamespace(server_round=1)
+
+    # Execute / Assert: within (9, 8, 3) nothing changes; (9, 5, 3) cuts class 1 to 5
+    assert claimed_prototypes(ctx, reply, env, [9, 8, 3])[0] is reply
+    cut, knowledge = claimed_prototypes(ctx, reply, env, [9, 5, 3])
+    assert knowledge.counts.tolist() == [5, 3]
+    sent = record_to_prototypes(cut.content.array_records[CLASS_PROTOTYPES])
+    assert sent.counts.tolist() == [5, 3] and sent.class_ids.tolist() == [1, 2]
+    np.testing.assert_array_equal(sent.prototypes, protos.prototypes)
+    with pytest.raises(KnowledgeError, match="declared none of"):
+        claimed_prototypes(ctx, reply, env, [11, 0, 0])
 
 
 def test_fedtgp_trains_its_network_every_round(federation: Callable[[str], Federation]) -> None:

@@ -69,6 +69,11 @@ class SchemeHooks(Generic[OptionsT]):
         """Every node that passed the handshake (:attr:`NodeTable.nodes`)."""
         return self.table.nodes
 
+    def declared_labels(self, node_id: int) -> tuple[int, ...] | None:
+        """Return the label counts ``node_id`` declared at its handshake (``None``: none)."""
+        info = self.nodes.get(node_id)
+        return None if info is None else info.label_counts
+
     @property
     def assignment(self) -> dict[int, str]:
         """Nodes that can take part and their architectures (:attr:`NodeTable.assignment`)."""

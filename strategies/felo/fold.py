@@ -23,8 +23,9 @@ and unevenly between rounds, unlike weight updates.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,7 @@ from strategies.felo.knowledge import (
     ClassKnowledge,
     KnowledgeError,
     KnowledgeSums,
+    cap_to_declared,
     clip_knowledge,
     node_median,
     row_norms,
@@ -48,7 +50,10 @@ __all__ = [
     "KnowledgeRound",
     "round_fold",
     "scales_from_state",
+    "within_declared",
 ]
+
+log = logging.getLogger("flwr.tessera")
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,46 @@ def _rows(part: ClassKnowledge, mask: np.ndarray) -> ClassKnowledge:
         part.logits[mask],
         None if part.features is None else part.features[mask],
     )
+
+
+def within_declared(
+    ctx: RoundContext, knowledge: ClassKnowledge, node_id: int, declared: Sequence[int] | None
+) -> ClassKnowledge:
+    """Return a reply's knowledge within its node's handshake label counts, logged.
+
+    :func:`~strategies.felo.knowledge.cap_to_declared` against ``declared`` (the
+    node's :attr:`~strategies.core.nodes.NodeInfo.label_counts`; ``None``: no
+    handshake on record, unchanged). A cut is logged as a warning naming the classes.
+
+    Raises
+    ------
+    KnowledgeError
+        If no class is left: the node declared none of the classes it reports (the
+        reply is then rejected, before anything of it is folded).
+    """
+    if declared is None:
+        return knowledge
+    within = cap_to_declared(knowledge, declared)
+    if within is knowledge:
+        return knowledge
+    over = [
+        f"{c}: {n} > {declared[c]}"
+        for c, n in zip(knowledge.class_ids.tolist(), knowledge.counts.tolist(), strict=True)
+        if n > declared[c]
+    ]
+    if not within.num_classes_present:
+        raise KnowledgeError(
+            f"its knowledge covers only classes its handshake declared none of "
+            f"({', '.join(over[:10])}; class: count > declared)"
+        )
+    log.warning(
+        "round %d: node %d claims more samples than its handshake declared (%s; class: "
+        "count > declared): counts cut to the declared ones, undeclared classes dropped",
+        ctx.server_round,
+        node_id,
+        ", ".join(over[:10]),
+    )
+    return within
 
 
 KNOWLEDGE_SCALES = "knowledge_scales"

@@ -263,6 +263,56 @@ def cap_counts(knowledge: ClassKnowledge, max_total: float) -> ClassKnowledge:
     return ClassKnowledge(knowledge.class_ids, scaled, knowledge.logits, knowledge.features)
 
 
+def cap_to_declared(knowledge: ClassKnowledge, declared: Sequence[int]) -> ClassKnowledge:
+    """Cap each class's count at the node's handshake label count for it.
+
+    An honest node's counts are its training labels (:func:`class_means` over the
+    split whose :func:`~tessera.data.label_counts` it sent at the handshake), so they
+    never exceed ``declared``. A count above it is cut to it, and a class the node
+    declared none of is dropped: a node cannot weigh in on a class, or on one more
+    than it said it held, by what it claims in a reply. ``knowledge`` is returned
+    itself when nothing is over.
+
+    Parameters
+    ----------
+    knowledge : ClassKnowledge
+        A checked reply's knowledge (class ids in ``[0, len(declared))``).
+    declared : Sequence[int]
+        The node's handshake label counts, one per class of the task.
+
+    Returns
+    -------
+    ClassKnowledge
+        The knowledge within ``declared`` (possibly of no class).
+
+    Examples
+    --------
+    >>> k = ClassKnowledge(np.array([0, 2, 3]), np.array([5, 9, 4]), np.eye(3, 4, dtype=np.float32))
+    >>> capped = cap_to_declared(k, [5, 7, 6, 0])  # class 2 over (9 > 6), class 3 undeclared
+    >>> capped.class_ids.tolist(), capped.counts.tolist(), capped.logits.shape
+    ([0, 2], [5, 6], (2, 4))
+    >>> cap_to_declared(k, [5, 0, 9, 4]) is k
+    True
+    """
+    limits = np.asarray(declared, dtype=np.int64)
+    ids = knowledge.class_ids
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limits.size):
+        raise KnowledgeError(
+            f"class ids {ids.tolist()[:10]} are outside the {limits.size} declared label counts"
+        )
+    allowed = limits[ids]
+    if bool(np.all(knowledge.counts <= allowed)):
+        return knowledge
+    keep = allowed > 0
+    features = None if knowledge.features is None else knowledge.features[keep]
+    return ClassKnowledge(
+        ids[keep],
+        np.minimum(knowledge.counts, allowed)[keep],
+        knowledge.logits[keep],
+        features,
+    )
+
+
 def _lower_median(values: np.ndarray) -> float:
     ordered = np.sort(values)
     return float(ordered[(ordered.size - 1) // 2])

@@ -29,6 +29,7 @@ from strategies.felo.fold import (
     KnowledgeRound,
     round_fold,
     scales_from_state,
+    within_declared,
 )
 from strategies.felo.knowledge import (
     CLASS_TARGETS,
@@ -131,21 +132,28 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Fold the knowledge (see :meth:`streams_knowledge`) and the shared weights.
 
-        The knowledge is checked before the weights are folded and added after, so a
-        reply refused by either leaves nothing behind.
+        The knowledge is first cut to the node's handshake label counts
+        (:func:`~strategies.felo.fold.within_declared`; a reply of none is refused). It
+        is checked before the weights are folded and added after, so a reply refused
+        by either leaves nothing behind. A buffered reply keeps its knowledge record,
+        rewritten when it was cut.
         """
+        sent = record_to_knowledge(reply.content.array_records[KNOWLEDGE])
+        knowledge = within_declared(ctx, sent, reply.node_id, self.declared_labels(reply.node_id))
         if self.streams_knowledge():
             fold = round_fold(ctx, self.env, self.knowledge_scales)
             # a node's counts weigh at most what the round lets it weigh (weight-cap)
-            knowledge = cap_counts(
-                record_to_knowledge(reply.content.array_records[KNOWLEDGE]), reply.weight
-            )
+            knowledge = cap_counts(knowledge, reply.weight)
             fold.check(knowledge)
             if self.felo.share_weights:
                 reply = fold_weights(self.models, ctx.state(GroupRound), reply)
             fold.add(knowledge, reply.node_id)
             content = RecordDict({k: v for k, v in reply.content.items() if k != KNOWLEDGE})
             return replace(reply, content=content)
+        if knowledge is not sent:
+            content = RecordDict(dict(reply.content.items()))
+            content[KNOWLEDGE] = knowledge_to_record(knowledge)
+            reply = replace(reply, content=content)
         if not self.felo.share_weights:
             return reply
         return fold_weights(self.models, ctx.state(GroupRound), reply)

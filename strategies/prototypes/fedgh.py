@@ -37,7 +37,12 @@ from strategies.core.validation import ClientReply, ReplySchema
 from strategies.prototypes.client import GlobalHeadClient, with_prototypes
 from strategies.prototypes.head import head_arrays, linear_head
 from strategies.prototypes.options import FeatureOptions, Key, read_keys
-from strategies.prototypes.server import GlobalHeadStrategy, merge_replies, prototype_schema
+from strategies.prototypes.server import (
+    GlobalHeadStrategy,
+    claimed_prototypes,
+    merge_replies,
+    prototype_schema,
+)
 from strategies.prototypes.trainable import TrainingResult, sgd_epochs
 from tessera.config import ConfigError, RunConfig
 from tessera.node_state import NodeState
@@ -117,6 +122,10 @@ class FedGHStrategy(GlobalHeadStrategy[FedGHOptions]):
     def reply_schema(self, ctx: RoundContext, node_id: int, arch: str) -> ReplySchema:
         """No weights; a valid ``class-prototypes`` record."""
         return prototype_schema(self.env.num_classes, self.options.feature_dim)
+
+    def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
+        """Cut the reply's prototypes to its handshake label counts (:func:`claimed_prototypes`)."""
+        return claimed_prototypes(ctx, reply, self.env, self.declared_labels(reply.node_id))[0]
 
     def aggregate(self, ctx: RoundContext, replies: Sequence[ClientReply]) -> dict[str, Any]:
         """Train a copy of the head on the bounded prototypes; keep it if it is finite."""

@@ -42,8 +42,9 @@ from strategies.felo.fold import (
     KnowledgeRound,
     round_fold,
     scales_from_state,
+    within_declared,
 )
-from strategies.felo.knowledge import cap_counts
+from strategies.felo.knowledge import ClassKnowledge, cap_counts
 from strategies.prototypes.head import initial_head
 from strategies.prototypes.merge import (
     PrototypeMerge,
@@ -72,6 +73,7 @@ log = logging.getLogger("flwr.tessera")
 __all__ = [
     "GlobalHeadStrategy",
     "PrototypeStrategy",
+    "claimed_prototypes",
     "log_clips",
     "merge_replies",
     "options_document",
@@ -106,16 +108,18 @@ class PrototypeStrategy(HeteroStrategy[PrototypeOptionsT]):
     def fold(self, ctx: RoundContext, reply: ClientReply) -> ClientReply:
         """Fold the reply's prototypes the bound cannot reach; keep the rest to the end.
 
-        See :meth:`streams_knowledge` and :class:`~strategies.felo.fold.KnowledgeFold`.
+        The prototypes are first cut to the node's handshake label counts
+        (:func:`claimed_prototypes`). See :meth:`streams_knowledge` and
+        :class:`~strategies.felo.fold.KnowledgeFold`.
         """
+        reply, knowledge = claimed_prototypes(
+            ctx, reply, self.env, self.declared_labels(reply.node_id)
+        )
         if not self.streams_knowledge():
             return reply
         fold = round_fold(ctx, self.env, self.knowledge_scales)
-        protos = record_to_prototypes(reply.content.array_records[CLASS_PROTOTYPES])
         # a node's counts weigh at most what the round lets it weigh (weight-cap)
-        fold.add(
-            cap_counts(as_knowledge(protos, self.env.num_classes), reply.weight), reply.node_id
-        )
+        fold.add(cap_counts(knowledge, reply.weight), reply.node_id)
         content = RecordDict({k: v for k, v in reply.content.items() if k != CLASS_PROTOTYPES})
         return replace(reply, content=content)
 
@@ -278,6 +282,30 @@ def prototype_schema(num_classes: int, feature_dim: int) -> ReplySchema:
         check_prototype_record, num_classes=num_classes, feature_dim=feature_dim
     )
     return ReplySchema(arrays=None, extra=check)
+
+
+def claimed_prototypes(
+    ctx: RoundContext, reply: ClientReply, env: ServerEnv, declared: Sequence[int] | None
+) -> tuple[ClientReply, ClassKnowledge]:
+    """Return a reply's prototypes cut to its node's handshake label counts.
+
+    :func:`~strategies.felo.fold.within_declared` on the prototypes as knowledge; the
+    reply comes back with its ``class-prototypes`` record rewritten when they were cut.
+
+    Raises
+    ------
+    KnowledgeError
+        If the node declared none of the classes it reports (the reply is refused).
+    """
+    sent = as_knowledge(
+        record_to_prototypes(reply.content.array_records[CLASS_PROTOTYPES]), env.num_classes
+    )
+    knowledge = within_declared(ctx, sent, reply.node_id, declared)
+    if knowledge is not sent:
+        content = RecordDict(dict(reply.content.items()))
+        content[CLASS_PROTOTYPES] = prototypes_to_record(as_prototypes(knowledge))
+        reply = replace(reply, content=content)
+    return reply, knowledge
 
 
 def merge_replies(
