@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
@@ -86,6 +86,12 @@ class ClientReply:
         run-config ``bound-stretch`` (``1.0`` when the round set none).
         """
         return bound_stretch(self.weight, self.typical_weight, self.stretch_cap)
+
+    def with_record(self, name: str, record: ArrayRecord) -> ClientReply:
+        """Return this reply with its content's record ``name`` replaced by ``record``."""
+        content = RecordDict(dict(self.content.items()))
+        content[name] = record
+        return replace(self, content=content)
 
 
 @dataclass(frozen=True)

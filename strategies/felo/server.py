@@ -151,9 +151,7 @@ class FeloStrategy(HeteroStrategy[FeloOptions]):
             content = RecordDict({k: v for k, v in reply.content.items() if k != KNOWLEDGE})
             return replace(reply, content=content)
         if knowledge is not sent:
-            content = RecordDict(dict(reply.content.items()))
-            content[KNOWLEDGE] = knowledge_to_record(knowledge)
-            reply = replace(reply, content=content)
+            reply = reply.with_record(KNOWLEDGE, knowledge_to_record(knowledge))
         if not self.felo.share_weights:
             return reply
         return fold_weights(self.models, ctx.state(GroupRound), reply)

@@ -302,9 +302,7 @@ def claimed_prototypes(
     )
     knowledge = within_declared(ctx, sent, reply.node_id, declared)
     if knowledge is not sent:
-        content = RecordDict(dict(reply.content.items()))
-        content[CLASS_PROTOTYPES] = prototypes_to_record(as_prototypes(knowledge))
-        reply = replace(reply, content=content)
+        reply = reply.with_record(CLASS_PROTOTYPES, prototypes_to_record(as_prototypes(knowledge)))
     return reply, knowledge
 
 
